@@ -1,0 +1,79 @@
+"""Rotary position embedding (rotate-half layout, as in Hugging Face Llama/Qwen checkpoints).
+
+Frequencies come from transformers' own rope initializers, so every scaling variant the config
+names (linear, llama3, yarn, ...) is computed exactly as the reference implementation does.
+Variants whose frequencies depend on the current sequence length ("dynamic") cannot be served
+from a shared paged cache and are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.errors import UnsupportedArchitectureError
+
+# rope types whose frequencies depend on the running sequence length: keys cached at one length
+# would be wrong at another, so a paged KV cache cannot serve them exactly.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_parameters(hf_config: object) -> dict:
+    """The config's rope settings as one dict (transformers 5 `rope_parameters`, or the older
+    `rope_theta` + `rope_scaling` pair)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+class RotaryEmbedding:
+    """Applies RoPE to q and k given each token's absolute position."""
+
+    def __init__(self, hf_config: object, head_dim: int, device: torch.device | str = "cpu"):
+        params = rope_parameters(hf_config)
+        rope_type = params["rope_type"]
+        if rope_type in _LENGTH_DEPENDENT_ROPE:
+            raise UnsupportedArchitectureError(
+                f"rope_type {rope_type!r} changes frequencies with sequence length and is not "
+                f"supported; supported: default, linear, llama3, yarn"
+            )
+        if rope_type == "default":
+            base = float(params["rope_theta"])
+            inv_freq = 1.0 / (
+                base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+            )
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise UnsupportedArchitectureError(f"unknown rope_type {rope_type!r}")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)  # [D/2]
+        self.attention_scaling = float(scaling)
+        self.head_dim = head_dim
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """positions: [T] -> cos, sin: [T, 1, D] in `dtype` (computed in float32 first)."""
+        freqs = positions[:, None].to(torch.float32) * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; q: [T, H, D]; k: [T, KVH, D] -> rotated (q, k), same shapes."""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    __call__ = forward
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

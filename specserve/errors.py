@@ -1,0 +1,32 @@
+"""Typed errors. Each message says what was wrong and how to fix it.
+
+All user-facing errors derive from ``SpecServeError`` (a ``ValueError``), so the CLI can print
+them as one line and the server can map them to an OpenAI-style 400 body.
+"""
+
+from __future__ import annotations
+
+
+class SpecServeError(ValueError):
+    """Base class for errors caused by user input or configuration."""
+
+
+class ConfigError(SpecServeError):
+    """An engine/server setting is invalid or inconsistent."""
+
+
+class ModelLoadError(SpecServeError):
+    """A model path or file could not be used."""
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    """The model's architecture is not one we implement."""
+
+
+class InvalidRequestError(SpecServeError):
+    """A request field is invalid. ``param`` names the offending field (OpenAI's ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
