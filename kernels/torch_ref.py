@@ -69,7 +69,9 @@ class TorchPagedAttention:
         for b, n in enumerate(meta.query_lens_cpu):
             if n > _BATCHED_MAX_QUERY:
                 sl = slice(starts[b], starts[b + 1])
-                out[sl] = self._one_sequence(q[sl], k_cache, v_cache, meta, b, scale, sliding_window)
+                out[sl] = self._one_sequence(
+                    q[sl], k_cache, v_cache, meta, b, scale, sliding_window
+                )
         if short:
             self._batched(q, out, k_cache, v_cache, meta, short, starts, scale, sliding_window)
         return out
