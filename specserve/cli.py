@@ -1,0 +1,133 @@
+"""`specserve generate` (and, as they land, serve / bench / distill).
+
+Engine flags map one to one onto ``EngineConfig`` fields, with vLLM's names. User errors print
+one line (``error: ...``) and exit 2; they never show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import msgspec
+
+from specserve.config import EngineConfig
+from specserve.errors import SpecServeError
+
+# field -> (help, argparse type). Order is the order --help shows.
+_ENGINE_FLAGS: dict[str, tuple[str, type]] = {
+    "model": ("local HF folder, .gguf file or hub id (default: built-in SmolLM2-135M-Instruct)",
+              str),
+    "tokenizer": ("tokenizer folder/file (default: the model's own)", str),
+    "dtype": ("auto | float32 | bfloat16 | float16 (auto: bf16 on GPU/bf16 CPUs, else fp32)", str),
+    "device": ("auto | cpu | cuda[:N]", str),
+    "max_model_len": ("context window in tokens (default: model's, at most 8192)", int),
+    "block_size": ("tokens per KV block", int),
+    "max_num_seqs": ("most sequences in one step", int),
+    "max_num_batched_tokens": ("token budget of one step (prompts longer than this are "
+                               "prefilled in chunks)", int),
+    "kv_cache_memory": ("bytes for the KV cache pool (default 2 GiB on CPU, 90%% of free GPU "
+                        "memory)", int),
+    "num_kv_blocks": ("exact number of KV blocks (overrides --kv-cache-memory)", int),
+    "attention_backend": ("auto | torch", str),
+    "seed": ("seed for requests that give none", int),
+    "num_threads": ("torch CPU threads (default: torch's choice)", int),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    group = parser.add_argument_group("engine")
+    for name, (help_text, typ) in _ENGINE_FLAGS.items():
+        default = getattr(defaults, name)
+        group.add_argument(
+            "--" + name.replace("_", "-"), type=typ, default=default,
+            help=f"{help_text} [default: {default}]",
+        )
+    group.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+        default=defaults.enable_prefix_caching, help="reuse KV of shared prompt prefixes",
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    fields = {name: getattr(args, name) for name in _ENGINE_FLAGS}
+    fields["enable_prefix_caching"] = args.enable_prefix_caching
+    return EngineConfig(**fields)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve", description="Speculative-decoding LLM engine and server."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion offline and print it")
+    gen.add_argument("prompt", nargs="+", help="prompt text (several prompts run batched)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("-v", "--verbose", action="store_true", help="log engine set-up")
+    add_engine_args(gen)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specserve.engine import LLMEngine
+    from specserve.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.request_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    t0 = time.perf_counter()
+    engine = LLMEngine(engine_config_from_args(args))
+    load_s = time.perf_counter() - t0
+    prompts: list[str] = args.prompt
+    if args.chat:
+        prompts = [engine.render_chat([{"role": "user", "content": p}]) for p in prompts]
+    t1 = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - t1
+    for i, out in enumerate(outputs):
+        if len(outputs) > 1:
+            print(f"--- [{i}] ---")
+        print(out.text)
+    n_out = sum(o.num_output_tokens for o in outputs)
+    ttft = outputs[0].timings.ttft_ms or 0.0
+    print(
+        f"[{n_out} tokens in {elapsed:.2f} s: {n_out / elapsed:.1f} tok/s; "
+        f"prompt {sum(o.num_prompt_tokens for o in outputs)} tokens; TTFT {ttft:.0f} ms; "
+        f"load {load_s:.1f} s; finish {outputs[0].finish_reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+    except (SpecServeError, msgspec.ValidationError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

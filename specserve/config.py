@@ -1,0 +1,84 @@
+"""EngineConfig: the one object every component reads. The CLI fills it flag for flag (vLLM's
+names); values only known after loading (KV block count, context length, EOS ids) are written
+back into it by the engine, not scattered."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import torch
+
+from specserve.errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """Engine settings. ``None`` means "derive it": see each field's comment."""
+
+    model: str | None = None  # local HF folder, .gguf file, or hub id; None = built-in default
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None  # None = the model's max_position_embeddings, capped at 8192
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None = 2 GiB on CPU, 90% free on GPU
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests force tiny pools)
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ConfigError(
+                f"dtype must be one of auto, {', '.join(_DTYPES)} (got {self.dtype!r})"
+            )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be auto, cpu or cuda[:N] (got {self.device!r})")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1 (got {value})")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max-model-len must be >= 2 (got {self.max_model_len})")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num-kv-blocks must be >= 1 (got {self.num_kv_blocks})")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ConfigError(f"kv-cache-memory must be a positive byte count "
+                              f"(got {self.kv_cache_memory})")
+        if self.model is not None and self.model.endswith(".gguf") and not Path(
+            self.model
+        ).exists():
+            raise ConfigError(f"model file not found: {self.model}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device cuda was asked for but torch sees no CUDA GPU; use --device cpu")
+        return device
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        """auto: bfloat16 on GPUs and on CPUs with native bf16 math, else float32 (emulated bf16
+        matmuls are slower than float32 on such CPUs)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

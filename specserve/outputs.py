@@ -1,0 +1,52 @@
+"""What the engine hands back for a request after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.sampling import TokenLogprob
+
+
+@dataclass
+class RequestTimings:
+    """Milliseconds spent per phase (attributed from the engine steps the request took part in),
+    plus time to first token. Filled as the request runs."""
+
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    sample_ms: float = 0.0
+    detokenize_ms: float = 0.0
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative state of one request plus what is new since the previous output.
+
+    ``delta_text`` is safe to stream: it never contains characters that might still turn out to
+    be the start of a stop string (they are held back until that is decided).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    timings: RequestTimings = field(default_factory=RequestTimings)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)

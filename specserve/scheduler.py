@@ -1,0 +1,131 @@
+"""Continuous batching: which sequences run this step, and how many tokens each feeds.
+
+Like vLLM v1, the scheduler only counts tokens. A running sequence needs
+``num_tokens - num_computed_tokens`` more tokens fed (1 while decoding, the rest of its prompt
+while prefilling); a step packs running sequences first (FCFS), then admits waiting ones, until the
+token budget ``max_num_batched_tokens`` or ``max_num_seqs`` is reached. A prompt larger than the
+remaining budget is fed in chunks over several steps (chunked prefill), mixed with decodes.
+
+When the KV pool runs dry, the newest running sequence is preempted by recompute: its blocks are
+freed and it returns to the front of the waiting queue with its outputs so far, to be prefilled
+again later (a prefix-cache hit usually makes that cheap). A sequence is always in exactly one of
+``waiting`` / ``running`` until it finishes, so no request is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.block_manager import BlockManager
+from specserve.config import EngineConfig
+from specserve.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
+    # True if this chunk reaches the end of the known tokens, so the step samples one. Fixed at
+    # scheduling time (the engine advances num_computed_tokens afterwards).
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running sequences, oldest first. Preempt from the newest end when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+
+        # 2. Admit waiting sequences (FCFS) while there is room; not after a preemption, which
+        # would only thrash the pool.
+        while (
+            self.waiting
+            and budget > 0
+            and not batch.preempted
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.block_manager.allocate_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.allocate_slots(seq, n):
+                # Undo the prefix hit so the blocks stay evictable while it waits.
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a finished (or aborted) sequence from whichever queue holds it and frees its
+        KV blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

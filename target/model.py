@@ -1,0 +1,251 @@
+"""CausalLM: one decoder-only model for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM).
+
+The model reads a flattened batch: T tokens from B sequences laid back to back (prefill chunks,
+decode tokens and speculative verify runs alike); ``AttentionMetadata`` says which tokens belong
+to which sequence and where their K/V live in the paged cache. Projections are fused (q|k|v in
+one matmul, gate|up in another); ``load_hf_state_dict`` fuses the Hugging Face tensors into them.
+
+Numerics follow transformers op for op (same residual order, RMSNorm in float32, rotary in the
+model dtype), so float32 logits agree with ``AutoModelForCausalLM`` to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.metadata import AttentionMetadata
+from kernels.norm import rms_norm
+from kernels.registry import AttentionBackend
+from kernels.rotary import RotaryEmbedding
+from specserve.errors import ModelLoadError
+from target.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, KVH, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, **factory: object) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, **factory))  # type: ignore[arg-type]
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer: fused qkv projection, optional per-head q/k RMSNorm (Qwen3,
+    applied before rotary), rotary, paged attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, **factory: object) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.layer_sliding_windows[layer_idx]
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias, **factory
+        )
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, **factory)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        x: torch.Tensor,  # [T, hidden]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:  # [T, hidden]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary.forward(positions, q, k)
+        o = backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
+        )  # [T, H, D]
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig, **factory: object) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, **factory
+        )
+        self.down_proj = nn.Linear(
+            cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, **factory
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, **factory: object) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.self_attn = Attention(cfg, layer_idx, **factory)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.mlp = MLP(cfg, **factory)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        h: torch.Tensor,  # [T, hidden]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+    ) -> torch.Tensor:  # [T, hidden]
+        # Same order of additions as transformers, so float32 results match bit for bit.
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta, backend, rotary)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """Embedding -> N decoder layers -> final RMSNorm -> lm_head (tied to the embedding or not).
+
+    Parameters are created with ``dtype``/``device`` (use ``device="meta"`` to skip random init
+    before ``load_hf_state_dict``). The rotary tables are not parameters; they follow the device
+    of ``positions`` on the first forward there.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        factory: dict[str, object] = {"dtype": dtype, "device": device}
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, **factory) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
+        )
+        rotary_device = "cpu" if device is None or torch.device(device).type == "meta" else device
+        self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, rotary_device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[KVCache],  # one (k, v) per layer
+        meta: AttentionMetadata,
+        attn_backend: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,  # [N] rows of T to score; None: all
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (logits [N, vocab] float32, final-norm hidden states [N, hidden]) for the rows
+        in ``logits_indices``. The lm_head only runs on those rows. Writes every token's K/V into
+        ``kv_caches`` at ``meta.slot_mapping``."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"need {len(self.layers)} kv caches, got {len(kv_caches)}")
+        if self.rotary.inv_freq.device != positions.device:
+            self.rotary.inv_freq = self.rotary.inv_freq.to(positions.device)
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(positions, h, kv_cache, meta, attn_backend, self.rotary)
+        if logits_indices is not None:
+            h = h[logits_indices]  # [N, hidden]
+        h = self.norm(h)  # [N, hidden]; RMSNorm is per row, so selecting first is exact
+        return self.compute_logits(h), h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] (after the final norm) -> logits [N, vocab] float32, computed in
+        the model dtype like transformers does."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Loads Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``...) into the
+        fused parameters, casting to each parameter's dtype. Parameters on the meta device are
+        replaced by the loaded tensors (on their device); others are copied in place.
+        Raises ``ModelLoadError`` listing every missing or unexpected weight."""
+        fused, unexpected = _fuse_hf_names(state_dict, self.config)
+        own = dict(self.named_parameters())
+        missing = sorted(set(own) - set(fused))
+        unexpected += sorted(set(fused) - set(own))
+        if missing or unexpected:
+            raise ModelLoadError(
+                f"checkpoint does not match the {self.config.architecture} config: "
+                f"missing weights {_short(missing)}; unexpected weights {_short(unexpected)}"
+            )
+        for name, tensor in fused.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise ModelLoadError(
+                    f"weight {name} has shape {tuple(tensor.shape)}, the config implies "
+                    f"{tuple(own[name].shape)}"
+                )
+        for name, param in own.items():
+            tensor = fused[name].to(param.dtype)
+            if param.device.type == "meta":
+                module_name, _, attr = name.rpartition(".")
+                new = nn.Parameter(tensor, requires_grad=False)
+                setattr(self.get_submodule(module_name), attr, new)
+            else:
+                with torch.no_grad():
+                    param.copy_(tensor)
+
+
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def _fuse_hf_names(
+    state_dict: dict[str, torch.Tensor], cfg: ModelConfig
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """HF names -> our names; q/k/v and gate/up are concatenated along the output dim.
+    Returns (our state dict, HF names that fit nowhere)."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    unexpected: list[str] = []
+    for hf_name, tensor in state_dict.items():
+        name = hf_name.removeprefix("model.")
+        if _IGNORED.search(name):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the embedding is the head (transformers ignores this copy too)
+        m = _LAYER_RE.match(name)
+        if m is None:
+            out[name] = tensor
+            continue
+        layer, block, proj, kind = m.groups()
+        fused = "qkv_proj" if block == "self_attn" else "gate_up_proj"
+        parts.setdefault(f"layers.{layer}.{block}.{fused}.{kind}", {})[proj] = tensor
+    for name, pieces in parts.items():
+        order = ("q", "k", "v") if ".qkv_proj." in name else ("gate", "up")
+        if set(pieces) != set(order):
+            have = "+".join(p for p in order if p in pieces)
+            unexpected.append(f"{name} (only {have} of {'+'.join(order)})")
+            continue
+        out[name] = torch.cat([pieces[p] for p in order], dim=0)
+    return out, unexpected
+
+
+def _short(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

@@ -1,0 +1,133 @@
+"""Sampler against independent float64 computations and a statistical test."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specserve.errors import InvalidRequestError
+from specserve.sampling import SampleRequest, process_logits, sample
+from specserve.sampling_params import SamplingParams
+
+
+def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """Float64 reference written from the definitions: temperature, keep the k most likely,
+    then the smallest most-likely set whose probability reaches top_p; renormalize."""
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    order = torch.argsort(p, descending=True).tolist()
+    if top_k:
+        order = order[:top_k]
+    kept = torch.zeros_like(p)
+    kept[order] = p[order]
+    kept /= kept.sum()
+    support, mass = [], 0.0
+    for tok in order:
+        support.append(tok)
+        mass += float(kept[tok])
+        if mass >= top_p:
+            break
+    final = torch.zeros_like(p)
+    final[support] = kept[support]
+    return final / final.sum()
+
+
+def row(params: SamplingParams, generator=None) -> SampleRequest:
+    return SampleRequest(params, 0, generator, [])
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.8), (1.3, 5, 1.0), (0.9, 6, 0.7)]
+)
+def test_sampled_frequencies_match_reference(temperature, top_k, top_p):
+    torch.manual_seed(0)
+    logits = torch.randn(12) * 2
+    expected = expected_distribution(logits, temperature, top_k, top_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=1)
+    n_rows, n_rounds = 2000, 15
+    gen = torch.Generator().manual_seed(123)
+    counts = torch.zeros(12, dtype=torch.float64)
+    batch = logits.repeat(n_rows, 1)
+    for _ in range(n_rounds):
+        tokens, _ = sample(batch, [row(params)] * n_rows, gen)
+        counts += torch.bincount(torch.tensor(tokens), minlength=12).double()
+    n = n_rows * n_rounds
+    freq = counts / n
+    # Tokens outside the reference support never appear; the rest lie within 5 sigma.
+    assert torch.all(counts[expected == 0] == 0)
+    sigma = torch.sqrt(expected * (1 - expected) / n)
+    assert torch.all((freq - expected).abs() <= 5 * sigma + 1e-12), (freq, expected)
+    # And a chi-square statistic well within its distribution (df = support - 1).
+    support = expected > 0
+    chi2 = float((((counts - n * expected) ** 2)[support] / (n * expected[support])).sum())
+    df = int(support.sum()) - 1
+    assert chi2 < df + 6 * math.sqrt(2 * max(df, 1)), chi2
+
+
+def test_process_logits_matches_reference_support():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50)
+    out = process_logits(
+        logits, torch.tensor([0.5, 1.0, 2.0]), torch.tensor([0, 7, 3]), torch.tensor([0.9, 1.0, 0.5])
+    )
+    for i, (t, k, p) in enumerate([(0.5, 0, 0.9), (1.0, 7, 1.0), (2.0, 3, 0.5)]):
+        ref = expected_distribution(logits[i], t, k, p)
+        got = torch.softmax(out[i].double(), dim=-1)
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_greedy_is_argmax_and_ignores_other_filters():
+    logits = torch.tensor([[0.1, 3.0, 2.9], [5.0, -1.0, 4.0]])
+    tokens, _ = sample(logits, [row(SamplingParams(temperature=0.0, top_k=1))] * 2)
+    assert tokens == [1, 0]
+
+
+def test_seeded_row_is_independent_of_batch_composition():
+    torch.manual_seed(2)
+    logits = torch.randn(5, 40)
+    params = SamplingParams(temperature=1.0, seed=7)
+
+    def draws(batch_rows: int) -> list[int]:
+        gen = torch.Generator().manual_seed(7)
+        others = [row(SamplingParams(temperature=1.0)) for _ in range(batch_rows - 1)]
+        got = []
+        for _ in range(20):
+            tokens, _ = sample(logits[:batch_rows], [row(params, gen), *others],
+                               torch.Generator().manual_seed(len(got)))
+            got.append(tokens[0])
+        return got
+
+    assert draws(1) == draws(5)
+
+
+def test_min_tokens_bans_eos():
+    logits = torch.tensor([[0.0, 10.0, 0.0]])
+    req = SampleRequest(SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4), 0, None, [1])
+    tokens, _ = sample(logits, [req])
+    assert tokens == [2] or tokens == [0]
+
+
+def test_logprobs_are_raw_log_softmax():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 30)
+    reqs = [row(SamplingParams(temperature=0.0, logprobs=3)), row(SamplingParams(temperature=0))]
+    tokens, lps = sample(logits, reqs)
+    ref = torch.log_softmax(logits[0].double(), -1)
+    assert lps[1] is None
+    assert lps[0].token_id == tokens[0]
+    assert abs(lps[0].logprob - float(ref[tokens[0]])) < 1e-5
+    top_ids = torch.argsort(ref, descending=True)[:3].tolist()
+    assert [t for t, _ in lps[0].top] == top_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [({"max_tokens": 0}, "max_tokens"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+     ({"temperature": -1.0}, "temperature"), ({"top_k": -2}, "top_k"),
+     ({"stop": [""]}, "stop")],
+)
+def test_invalid_params_name_the_field(kwargs, param):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
