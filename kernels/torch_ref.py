@@ -81,8 +81,9 @@ class TorchPagedAttention:
     @staticmethod
     def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """cache [N, bs, KVH, D], blocks [..., nb] -> [..., KVH, nb * bs, D]."""
-        g = cache[blocks]  # [..., nb, bs, KVH, D]
-        g = g.flatten(-4, -3)  # [..., nb * bs, KVH, D]
+        # index_select, not cache[blocks]: advanced indexing takes a slow generic path on CPU.
+        g = cache.index_select(0, blocks.reshape(-1))  # [prod(...) * nb, bs, KVH, D]
+        g = g.view(*blocks.shape, *cache.shape[1:]).flatten(-4, -3)  # [..., nb * bs, KVH, D]
         return g.transpose(-3, -2)
 
     def _one_sequence(

@@ -1,0 +1,166 @@
+"""Plain (non-speculative) decode speed: this engine vs transformers `generate()`, same process,
+same weights, prompts and dtype. Writes a section of benchmarks/RESULTS.md.
+
+    python benchmarks/plain_decode.py [--model PATH] [--dtype float32] [--new-tokens 128]
+        [--batch-sizes 1,8,32] [--repeats 3] [--no-write]
+
+Batch 1 is timed for both; for B > 1 this engine runs B concurrent sequences (continuous
+batching) and transformers runs one left-padded batch of B. Every configuration generates exactly
+`--new-tokens` tokens per sequence (EOS ignored), so tokens/s compare like for like. Greedy batch-1
+outputs are checked identical between the two (a mismatch is reported, not hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from specserve.config import EngineConfig  # noqa: E402
+from specserve.engine import LLMEngine  # noqa: E402
+from specserve.sampling_params import SamplingParams  # noqa: E402
+
+
+def hf_reference_model(engine: LLMEngine):
+    """transformers' own model class on the very weights our engine loaded."""
+    from transformers import AutoModelForCausalLM
+
+    from target.loader import load_weights
+
+    hf_config, state_dict = load_weights(engine.model_path)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=engine.dtype)
+    model.load_state_dict(state_dict, strict=False)
+    model.tie_weights()
+    model.generation_config.eos_token_id = None  # generate exactly --new-tokens
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def time_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    assert all(o.num_output_tokens == new_tokens for o in outs)
+    return dt, [o.token_ids for o in outs]
+
+
+@torch.inference_mode()
+def time_hf(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t0 = time.perf_counter()
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, do_sample=False,
+    )
+    dt = time.perf_counter() - t0
+    return dt, out[:, width:].tolist()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--hf-max-batch", type=int, default=8, help="largest batch run through HF")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    hf = hf_reference_model(engine)
+    texts = json.loads((ROOT / "prompts" / "chat.json").read_text())
+    chats = [engine.encode(engine.render_chat([{"role": "user", "content": t}])) for t in texts]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+
+    rows = []
+    # Warm-up (not measured): first calls pay allocator / thread-pool start-up.
+    time_ours(engine, chats[:1], 8)
+    time_hf(hf, chats[:1], 8)
+    for bsz in batch_sizes:
+        prompts = [chats[i % len(chats)] for i in range(bsz)]
+        ours, theirs = [], []
+        match = None
+        for _ in range(args.repeats):
+            dt, ours_tokens = time_ours(engine, prompts, args.new_tokens)
+            ours.append(bsz * args.new_tokens / dt)
+            if bsz <= args.hf_max_batch:
+                dt, hf_tokens = time_hf(hf, prompts, args.new_tokens)
+                theirs.append(bsz * args.new_tokens / dt)
+                if bsz == 1:
+                    match = ours_tokens == hf_tokens
+        row = {
+            "batch": bsz,
+            "ours_tok_s": statistics.median(ours),
+            "hf_tok_s": statistics.median(theirs) if theirs else None,
+            "greedy_identical": match,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    base = rows[0]["ours_tok_s"]
+    lines = [
+        "| batch | specserve tok/s | transformers tok/s | ratio vs transformers | "
+        "ratio vs our batch 1 |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        hf_s = f"{r['hf_tok_s']:.1f}" if r["hf_tok_s"] else "not run"
+        ratio = f"{r['ours_tok_s'] / r['hf_tok_s']:.2f}x" if r["hf_tok_s"] else "-"
+        lines.append(
+            f"| {r['batch']} | {r['ours_tok_s']:.1f} | {hf_s} | {ratio} | "
+            f"{r['ours_tok_s'] / base:.2f}x |"
+        )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    section = "\n".join(
+        [
+            "## Plain decode: specserve vs transformers",
+            "",
+            f"Model `{engine.model_path.split('/')[-1]}`, dtype {args.dtype}, "
+            f"{args.new_tokens} new tokens per sequence (EOS ignored), chat prompts from "
+            f"benchmarks/prompts/chat.json, median of {args.repeats} runs. Machine: "
+            f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}; "
+            f"commit {commit}. Greedy batch-1 tokens identical to transformers: "
+            f"{rows[0]['greedy_identical']}.",
+            "",
+            "Command: `python benchmarks/plain_decode.py " + " ".join(sys.argv[1:]) + "`",
+            "",
+            *lines,
+            "",
+        ]
+    )
+    print(section)
+    if not args.no_write:
+        write_section(ROOT / "RESULTS.md", "## Plain decode", section)
+    return 0 if rows[0]["greedy_identical"] is not False else 1
+
+
+def write_section(path: Path, heading: str, section: str) -> None:
+    """Replaces the section starting at `heading` (up to the next '## ') or appends it."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n\n"
+    start = text.find(heading)
+    if start == -1:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + len(heading))
+        text = text[:start] + section + (text[end + 1 :] if end != -1 else "")
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
