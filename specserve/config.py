@@ -25,7 +25,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None = 2 GiB on CPU, 90% free on GPU
+    # bytes for the KV pool; None = 2 GiB on CPU, 90% of free memory on GPU
+    kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests force tiny pools)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -63,7 +64,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device cuda was asked for but torch sees no CUDA GPU; use --device cpu")
+            raise ConfigError(
+                "device cuda was asked for but torch sees no CUDA GPU; use --device cpu"
+            )
         return device
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:

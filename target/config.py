@@ -39,6 +39,19 @@ def _unsupported(what: str) -> UnsupportedArchitectureError:
     )
 
 
+def check_architecture(architectures: list[str] | None, model_type: str) -> str:
+    """The supported architecture a config names (GGUF-derived configs name none; their
+    model_type decides). Raises ``UnsupportedArchitectureError`` otherwise."""
+    archs = list(architectures or [])
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and not archs:
+        arch = next((a for a, t in SUPPORTED_ARCHITECTURES.items() if t == model_type), None)
+    if arch is None or SUPPORTED_ARCHITECTURES[arch] != model_type:
+        named = ", ".join(archs) or f"model_type {model_type!r}"
+        raise _unsupported(f"unsupported model architecture {named}")
+    return arch
+
+
 def _token_ids(value: Any) -> tuple[int, ...]:
     """An int, a list of ints or None -> a tuple of ints."""
     if value is None:
@@ -98,15 +111,8 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any) -> ModelConfig:
         """Distills a transformers ``PretrainedConfig``. Raises ``UnsupportedArchitectureError``
         for architectures, activations and rope types we cannot reproduce exactly."""
-        archs = list(getattr(hf_config, "architectures", None) or [])
         model_type = str(getattr(hf_config, "model_type", ""))
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None and not archs:
-            # Configs rebuilt from GGUF metadata name no architecture; the model_type does.
-            arch = next((a for a, t in SUPPORTED_ARCHITECTURES.items() if t == model_type), None)
-        if arch is None or SUPPORTED_ARCHITECTURES[arch] != model_type:
-            named = ", ".join(archs) or f"model_type {model_type!r}"
-            raise _unsupported(f"unsupported model architecture {named}")
+        arch = check_architecture(getattr(hf_config, "architectures", None), model_type)
         c = hf_config
         act = getattr(c, "hidden_act", "silu")
         if act != "silu":
@@ -129,7 +135,7 @@ class ModelConfig:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
         attention_bias = bool(getattr(c, "attention_bias", False))
         windows = _layer_sliding_windows(c, model_type)
-        dtype = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None)
+        dtype = getattr(c, "dtype", None)  # transformers >= 4.56 (torch_dtype is deprecated)
         return cls(
             architecture=arch,
             model_type=model_type,

@@ -12,6 +12,7 @@ model dtype), so float32 logits agree with ``AutoModelForCausalLM`` to ~1e-5.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, **factory: object) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.layer_sliding_windows[layer_idx]
@@ -121,8 +123,8 @@ class CausalLM(nn.Module):
     """Embedding -> N decoder layers -> final RMSNorm -> lm_head (tied to the embedding or not).
 
     Parameters are created with ``dtype``/``device`` (use ``device="meta"`` to skip random init
-    before ``load_hf_state_dict``). The rotary tables are not parameters; they follow the device
-    of ``positions`` on the first forward there.
+    before ``load_hf_state_dict``). The rotary table is not a parameter; it stays float32 and
+    follows ``.to(device)`` (and ``forward`` moves it if ``positions`` live elsewhere).
     """
 
     def __init__(
@@ -147,6 +149,14 @@ class CausalLM(nn.Module):
         )
         rotary_device = "cpu" if device is None or torch.device(device).type == "meta" else device
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, rotary_device)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> CausalLM:
+        """``.to(device)`` / ``.cuda()`` also move the rotary table (kept in float32)."""
+        super()._apply(fn, recurse)
+        device = self.embed_tokens.weight.device
+        if device.type != "meta":
+            self.rotary.inv_freq = self.rotary.inv_freq.to(device)
+        return self
 
     def forward(
         self,
@@ -185,8 +195,8 @@ class CausalLM(nn.Module):
         Raises ``ModelLoadError`` listing every missing or unexpected weight."""
         fused, unexpected = _fuse_hf_names(state_dict, self.config)
         own = dict(self.named_parameters())
-        missing = sorted(set(own) - set(fused))
-        unexpected += sorted(set(fused) - set(own))
+        missing = [_hf_name(n) for n in sorted(set(own) - set(fused))]
+        unexpected += sorted(_hf_name(n) for n in set(fused) - set(own))
         if missing or unexpected:
             raise ModelLoadError(
                 f"checkpoint does not match the {self.config.architecture} config: "
@@ -207,6 +217,7 @@ class CausalLM(nn.Module):
             else:
                 with torch.no_grad():
                     param.copy_(tensor)
+        self.requires_grad_(False)
 
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
@@ -238,10 +249,16 @@ def _fuse_hf_names(
         order = ("q", "k", "v") if ".qkv_proj." in name else ("gate", "up")
         if set(pieces) != set(order):
             have = "+".join(p for p in order if p in pieces)
-            unexpected.append(f"{name} (only {have} of {'+'.join(order)})")
+            unexpected.append(f"{_hf_name(name)} (only {have})")
             continue
         out[name] = torch.cat([pieces[p] for p in order], dim=0)
     return out, unexpected
+
+
+def _hf_name(name: str) -> str:
+    """Our parameter name -> the Hugging Face name(s) it is loaded from, for error messages."""
+    name = name.replace("qkv_proj", "{q,k,v}_proj").replace("gate_up_proj", "{gate,up}_proj")
+    return name if name.startswith("lm_head") else f"model.{name}"
 
 
 def _short(names: list[str], limit: int = 8) -> str:

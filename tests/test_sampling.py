@@ -69,7 +69,10 @@ def test_process_logits_matches_reference_support():
     torch.manual_seed(1)
     logits = torch.randn(3, 50)
     out = process_logits(
-        logits, torch.tensor([0.5, 1.0, 2.0]), torch.tensor([0, 7, 3]), torch.tensor([0.9, 1.0, 0.5])
+        logits,
+        torch.tensor([0.5, 1.0, 2.0]),
+        torch.tensor([0, 7, 3]),
+        torch.tensor([0.9, 1.0, 0.5]),
     )
     for i, (t, k, p) in enumerate([(0.5, 0, 0.9), (1.0, 7, 1.0), (2.0, 3, 0.5)]):
         ref = expected_distribution(logits[i], t, k, p)

@@ -1,0 +1,259 @@
+"""Weight loading: a local Hugging Face folder (config.json + safetensors) or a GGUF file.
+
+GGUF files are read through transformers' own GGUF support (it dequantizes every tensor and
+undoes llama.cpp's q/k row permutation), which takes ~15-25 s for the default 135M model, most
+of it parsing the tokenizer arrays in the metadata. So the first load of a GGUF writes what it
+produced into a cache folder, an ordinary HF folder that later loads take in about a second:
+
+    $SPECSERVE_CACHE_DIR (default ~/.cache/specserve)/gguf-<sha256(abs path, size, mtime,
+        transformers and gguf versions)>/
+        weights/    config.json + model.safetensors (float32, exactly as dequantized)
+        tokenizer/  tokenizer files (written by specserve.models.load_tokenizer)
+
+Any change to the GGUF file (size or mtime) or to the converting libraries gives a new key, so
+a stale cache is never read. Each subfolder is written to a temporary name and renamed into
+place, so a crash or a concurrent loader never leaves a half-written cache behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specserve.errors import ModelLoadError, UnsupportedArchitectureError
+from target.config import ModelConfig, check_architecture
+from target.model import CausalLM
+
+log = logging.getLogger(__name__)
+
+_CACHE_FORMAT = "1"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def is_gguf(path: str | os.PathLike[str]) -> bool:
+    """True for an existing file that starts with the GGUF magic bytes."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")
+
+
+def gguf_cache_dir(path: str | os.PathLike[str]) -> Path:
+    """The cache folder of one GGUF file; its name changes whenever the file does."""
+    import gguf
+    import transformers
+
+    p = Path(path).resolve()
+    st = p.stat()
+    key = (
+        f"{p}|{st.st_size}|{st.st_mtime_ns}|format {_CACHE_FORMAT}"
+        f"|transformers {transformers.__version__}|gguf {_version(gguf)}"
+    )
+    return cache_root() / f"gguf-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+
+
+def write_dir_atomically(final: Path, fill: Callable[[Path], None]) -> bool:
+    """Runs ``fill(tmp)`` on a fresh temporary folder next to ``final`` and renames it to
+    ``final``. Best effort: a failure (read-only or full disk, a concurrent writer that won) is
+    logged and returns False; the caller goes on with what it has in memory."""
+    tmp: Path | None = None
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=final.parent))
+        fill(tmp)
+        os.rename(tmp, final)
+        return True
+    except Exception as exc:  # the cache is an optimization: never fail a load because of it
+        log.warning("could not write cache folder %s: %s", final, exc)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return False
+
+
+def load_weights(path: str | os.PathLike[str]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Returns (transformers config, state dict with Hugging Face names) for a local HF folder
+    or a GGUF file. Raises ``ModelLoadError`` (or its subclass ``UnsupportedArchitectureError``)
+    with a message saying what to pass instead."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(
+            f"model path not found: {path}; pass a local HF folder, a .gguf file, or a hub id"
+        )
+    if p.is_file():
+        if not is_gguf(p):
+            raise ModelLoadError(
+                f"{path} is neither a GGUF file nor a folder; pass a local HF folder "
+                f"(config.json + *.safetensors) or a .gguf file"
+            )
+        return _load_gguf(p)
+    return _load_folder(p)
+
+
+def load_hf_config(folder: Path) -> Any:
+    """The transformers config of a local HF folder, checked against what we support."""
+    from transformers import AutoConfig
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        ggufs = sorted(folder.glob("*.gguf"))
+        hint = f" (to load {ggufs[0].name}, pass the file itself)" if ggufs else ""
+        raise ModelLoadError(f"no config.json in model folder {folder}{hint}")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {exc}") from exc
+    check_architecture(raw.get("architectures"), str(raw.get("model_type", "")))
+    try:
+        hf_config = AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"cannot read {config_file}: {exc}") from exc
+    ModelConfig.from_hf(hf_config)
+    return hf_config
+
+
+def _load_folder(folder: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    hf_config = load_hf_config(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = [folder / name for name in shard_names]
+        absent = [s.name for s in shards if not s.is_file()]
+        if absent:
+            raise ModelLoadError(f"{index} names missing shard files: {', '.join(absent)}")
+    else:
+        shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(
+            f"no *.safetensors weights in model folder {folder} (pytorch_model.bin checkpoints "
+            f"are not supported: re-save them with save_pretrained(safe_serialization=True))"
+        )
+    state_dict: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state_dict.update(load_file(shard))
+    return hf_config, state_dict
+
+
+def _load_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file, save_file
+
+    weights_dir = gguf_cache_dir(path) / "weights"
+    if (weights_dir / "model.safetensors").is_file():
+        t0 = time.perf_counter()
+        hf_config = load_hf_config(weights_dir)
+        state_dict = load_file(weights_dir / "model.safetensors")
+        log.info("loaded %s from cache %s in %.1fs", path, weights_dir, time.perf_counter() - t0)
+        return hf_config, state_dict
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    t0 = time.perf_counter()
+    try:
+        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except ValueError as exc:  # "GGUF model with architecture X is not supported yet"
+        raise UnsupportedArchitectureError(f"cannot load GGUF {path}: {exc}") from exc
+    ModelConfig.from_hf(hf_config)  # refuse unsupported models before dequantizing anything
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hf_config)  # only its parameter names
+    with _memoized_gguf_name_map():
+        parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf_model)
+    state_dict: dict[str, torch.Tensor] = parsed["tensors"]
+    log.info("dequantized %s in %.1fs", path, time.perf_counter() - t0)
+
+    def fill(tmp: Path) -> None:
+        hf_config.save_pretrained(tmp)
+        save_file(state_dict, tmp / "model.safetensors", metadata={"format": "pt"})
+
+    if write_dir_atomically(weights_dir, fill):
+        (weights_dir.parent / "source.txt").write_text(f"{path.resolve()}\n")
+    return hf_config, state_dict
+
+
+@contextlib.contextmanager
+def _memoized_gguf_name_map() -> Iterator[None]:
+    """transformers rebuilds gguf's tensor-name table once per submodule (~400 times, ~10 s for
+    a 30-layer model); the table depends only on (arch, num_layers), so memoize it meanwhile."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
+def resolve_dtype(
+    dtype: torch.dtype | str, model_config: ModelConfig, device: torch.device | str
+) -> torch.dtype:
+    """``auto``: the checkpoint's 16-bit dtype on CUDA, float32 elsewhere (CPU matmuls in 16-bit
+    are slow and GGUF weights are dequantized to float32)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        declared = _DTYPES.get(model_config.torch_dtype or "", torch.float32)
+        return declared if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def build_model(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+) -> tuple[ModelConfig, CausalLM]:
+    """Loads ``path`` into our ``CausalLM`` in ``dtype`` on ``device`` (eval mode, no grads).
+    ``ModelConfig.eos_token_ids`` also holds the folder's generation_config.json EOS ids."""
+    hf_config, state_dict = load_weights(path)
+    model_config = ModelConfig.from_hf(hf_config)
+    extra_eos = _generation_eos_ids(Path(path))
+    if extra_eos:
+        merged = tuple(dict.fromkeys(model_config.eos_token_ids + extra_eos))
+        model_config = dataclasses.replace(model_config, eos_token_ids=merged)
+    torch_dtype = resolve_dtype(dtype, model_config, device)
+    model = CausalLM(model_config, dtype=torch_dtype, device="meta")
+    model.load_hf_state_dict(state_dict)
+    del state_dict
+    model.to(device).eval()
+    return model_config, model
+
+
+def _generation_eos_ids(path: Path) -> tuple[int, ...]:
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return ()
+    value = json.loads(gen.read_text()).get("eos_token_id")
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def _version(module: Any) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module.__name__)
+    except PackageNotFoundError:
+        return "unknown"
+

