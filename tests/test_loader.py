@@ -185,9 +185,10 @@ def test_gguf_cache_hit_and_invalidation(tmp_path, monkeypatch):
     def no_gguf(*args, **kwargs):
         raise AssertionError("the cache should have been used")
 
-    monkeypatch.setattr(
-        "transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint", no_gguf
-    )
+    # Import the module first: transformers' lazy loader may not have loaded it yet.
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", no_gguf)
     _, second = load_weights(path)
     assert set(second) == set(first)
     for name in first:
