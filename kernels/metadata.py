@@ -18,7 +18,8 @@ Worked example, block_size 4, two sequences:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,9 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
     block_size: int
+    # Per-step derived tensors a backend builds on the first layer and reuses in the others
+    # (index maps, masks), keyed by the backend's choice (e.g. its name and the sliding window).
+    plan_cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:

@@ -2,10 +2,13 @@
 
 Works on any device. Sequences with few new tokens (decode, speculative verify) are attended in
 one padded batch; long prefill chunks run one SDPA call each, so a 500-token prefill never pads
-thirty 1-token decodes up to 500 queries.
+thirty 1-token decodes up to 500 queries. Index maps and masks depend only on the step, not the
+layer, so they are built once per step (``_Plan``) and reused by every layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +25,13 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    has_padding: bool = True,
 ) -> None:
     """Scatters the new k/v [T, KVH, D] into the caches [N, block_size, KVH, D] at their slots;
-    slot -1 marks a padding token that must not be written."""
+    slot -1 marks a padding token that must not be written (``has_padding`` says whether to
+    look for it, so the common case costs no device sync)."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+    if has_padding:
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
@@ -42,6 +47,93 @@ def _visible(
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
     return mask
+
+
+@dataclass
+class _LongSeq:
+    """One prefill chunk attended on its own."""
+
+    tokens: slice  # its rows in the flat batch
+    blocks: torch.Tensor  # [nb] block ids covering its context
+    ctx: int
+    mask: torch.Tensor | None  # [n, ctx]; None = plain causal over the whole (all-new) context
+
+
+@dataclass
+class _Batched:
+    """Short query runs (decode / verify) attended together, padded to [R, max_q]."""
+
+    blocks: torch.Tensor  # [R, nb]
+    tok: torch.Tensor  # [S] flat-batch rows of the short sequences' tokens
+    row_of: torch.Tensor  # [S] which padded row each token goes to
+    off: torch.Tensor  # [S] its offset in that row
+    num_rows: int
+    max_q: int
+    key_len: int  # L: keys are cut to this length
+    mask: torch.Tensor | None  # [R, 1, max_q, L]; None when nothing needs masking
+
+
+@dataclass
+class _Plan:
+    long: list[_LongSeq]
+    batched: _Batched | None
+    has_padding_slots: bool
+
+
+def _build_plan(meta: AttentionMetadata, sliding_window: int | None) -> _Plan:
+    device = meta.block_tables.device
+    bs = meta.block_size
+    starts = [0]
+    for n in meta.query_lens_cpu:
+        starts.append(starts[-1] + n)
+    has_padding = bool(meta.slot_mapping.numel()) and bool((meta.slot_mapping < 0).any())
+    long: list[_LongSeq] = []
+    rows: list[int] = []
+    for b, (n, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+        if n <= _BATCHED_MAX_QUERY:
+            rows.append(b)
+            continue
+        blocks = meta.block_tables[b, : -(-ctx // bs)].long()
+        mask = None
+        if not (n == ctx and sliding_window is None):
+            q_pos = torch.arange(ctx - n, ctx, device=device)[:, None]  # [n, 1]
+            k_pos = torch.arange(ctx, device=device)[None, :]  # [1, ctx]
+            mask = _visible(q_pos, k_pos, torch.tensor(ctx, device=device), sliding_window)
+        long.append(_LongSeq(slice(starts[b], starts[b + 1]), blocks, ctx, mask))
+    if not rows:
+        return _Plan(long, None, has_padding)
+    q_lens = [meta.query_lens_cpu[b] for b in rows]
+    ctx_lens = [meta.context_lens_cpu[b] for b in rows]
+    max_q = max(q_lens)
+    num_blocks = -(-max(ctx_lens) // bs)
+    blocks = meta.block_tables[torch.tensor(rows, device=device), :num_blocks].long()  # [R, nb]
+    # Token t of the flat batch -> (row r, offset i) in the padded [R, max_q] query grid.
+    tok = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in rows]).to(device)
+    row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(q_lens)).to(device)
+    off = torch.cat([torch.arange(n) for n in q_lens]).to(device)
+    key_len = num_blocks * bs
+    mask = None
+    if max_q == 1 and sliding_window is None and len(rows) == 1:
+        key_len = ctx_lens[0]  # one decode token sees its whole context: no mask at all
+    else:
+        ctx_t = torch.tensor(ctx_lens, device=device)[:, None, None]  # [R, 1, 1]
+        q_len_t = torch.tensor(q_lens, device=device)[:, None, None]
+        q_pos = ctx_t - q_len_t + torch.arange(max_q, device=device)[None, :, None]  # [R, Q, 1]
+        k_pos = torch.arange(key_len, device=device)[None, None, :]  # [1, 1, L]
+        mask = _visible(q_pos, k_pos, ctx_t, sliding_window)  # [R, Q, L]
+        # Padding query rows would see nothing (NaN softmax): let them see key 0; discarded.
+        mask[:, :, 0] |= torch.arange(max_q, device=device)[None, :] >= q_len_t[:, :, 0]
+        mask = mask[:, None]  # [R, 1, Q, L], broadcast over heads
+    batched = _Batched(blocks, tok, row_of, off, len(rows), max_q, key_len, mask)
+    return _Plan(long, batched, has_padding)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [N, bs, KVH, D], blocks [..., nb] -> [..., KVH, nb * bs, D]."""
+    # index_select, not cache[blocks]: advanced indexing takes a slow generic path on CPU.
+    g = cache.index_select(0, blocks.reshape(-1))  # [prod(...) * nb, bs, KVH, D]
+    g = g.view(*blocks.shape, *cache.shape[1:]).flatten(-4, -3)  # [..., nb * bs, KVH, D]
+    return g.transpose(-3, -2)
 
 
 class TorchPagedAttention:
@@ -60,103 +152,34 @@ class TorchPagedAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        key = (self.name, sliding_window)
+        plan = meta.plan_cache.get(key)
+        if plan is None:
+            plan = meta.plan_cache[key] = _build_plan(meta, sliding_window)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
         out = torch.empty_like(q)
-        starts = [0]
-        for n in meta.query_lens_cpu:
-            starts.append(starts[-1] + n)
-        short = [b for b, n in enumerate(meta.query_lens_cpu) if n <= _BATCHED_MAX_QUERY]
-        for b, n in enumerate(meta.query_lens_cpu):
-            if n > _BATCHED_MAX_QUERY:
-                sl = slice(starts[b], starts[b + 1])
-                out[sl] = self._one_sequence(
-                    q[sl], k_cache, v_cache, meta, b, scale, sliding_window
-                )
-        if short:
-            self._batched(q, out, k_cache, v_cache, meta, short, starts, scale, sliding_window)
+        for seq in plan.long:
+            keys = _gather(k_cache, seq.blocks)[:, : seq.ctx].to(q.dtype)  # [KVH, ctx, D]
+            values = _gather(v_cache, seq.blocks)[:, : seq.ctx].to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                q[seq.tokens].transpose(0, 1), keys, values, attn_mask=seq.mask,
+                is_causal=seq.mask is None, scale=scale, enable_gqa=True,
+            )  # [H, n, D]
+            out[seq.tokens] = o.transpose(0, 1)
+        bp = plan.batched
+        if bp is not None:
+            keys = _gather(k_cache, bp.blocks)[..., : bp.key_len, :].to(q.dtype)  # [R, KVH, L, D]
+            values = _gather(v_cache, bp.blocks)[..., : bp.key_len, :].to(q.dtype)
+            if bp.max_q == 1 and bp.tok.numel() == q.shape[0]:
+                q_pad = q[:, None]  # [R, 1, H, D]: decode-only step, rows are tokens in order
+            else:
+                q_pad = q.new_zeros(bp.num_rows, bp.max_q, *q.shape[1:])  # [R, Q, H, D]
+                q_pad[bp.row_of, bp.off] = q[bp.tok]
+            o = F.scaled_dot_product_attention(
+                q_pad.transpose(1, 2), keys, values, attn_mask=bp.mask, scale=scale,
+                enable_gqa=True,
+            )  # [R, H, Q, D]
+            out[bp.tok] = o.transpose(1, 2)[bp.row_of, bp.off]
         return out
 
     __call__ = forward
-
-    @staticmethod
-    def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """cache [N, bs, KVH, D], blocks [..., nb] -> [..., KVH, nb * bs, D]."""
-        # index_select, not cache[blocks]: advanced indexing takes a slow generic path on CPU.
-        g = cache.index_select(0, blocks.reshape(-1))  # [prod(...) * nb, bs, KVH, D]
-        g = g.view(*blocks.shape, *cache.shape[1:]).flatten(-4, -3)  # [..., nb * bs, KVH, D]
-        return g.transpose(-3, -2)
-
-    def _one_sequence(
-        self,
-        q: torch.Tensor,  # [n, H, D]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        b: int,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:  # [n, H, D]
-        n, ctx = q.shape[0], meta.context_lens_cpu[b]
-        num_blocks = -(-ctx // meta.block_size)
-        blocks = meta.block_tables[b, :num_blocks].long()
-        keys = self._gather(k_cache, blocks)[:, :ctx]  # [KVH, ctx, D]
-        values = self._gather(v_cache, blocks)[:, :ctx]
-        qt = q.transpose(0, 1)  # [H, n, D]
-        mask = None
-        if n == ctx and sliding_window is None:
-            # Whole sequence is new: plain causal attention, SDPA's fastest path.
-            o = F.scaled_dot_product_attention(
-                qt, keys.to(q.dtype), values.to(q.dtype), is_causal=True, scale=scale,
-                enable_gqa=True,
-            )
-            return o.transpose(0, 1)
-        q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]  # [n, 1]
-        k_pos = torch.arange(ctx, device=q.device)[None, :]  # [1, ctx]
-        mask = _visible(q_pos, k_pos, torch.tensor(ctx, device=q.device), sliding_window)
-        o = F.scaled_dot_product_attention(
-            qt, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale,
-            enable_gqa=True,
-        )
-        return o.transpose(0, 1)
-
-    def _batched(
-        self,
-        q: torch.Tensor,  # [T, H, D]
-        out: torch.Tensor,  # [T, H, D]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        rows: list[int],
-        starts: list[int],
-        scale: float,
-        sliding_window: int | None,
-    ) -> None:
-        device = q.device
-        q_lens = [meta.query_lens_cpu[b] for b in rows]
-        ctx_lens = [meta.context_lens_cpu[b] for b in rows]
-        max_q = max(q_lens)
-        num_blocks = -(-max(ctx_lens) // meta.block_size)
-        rows_t = torch.tensor(rows, device=device)
-        blocks = meta.block_tables[rows_t, :num_blocks].long()  # [R, nb]
-        keys = self._gather(k_cache, blocks).to(q.dtype)  # [R, KVH, L, D]
-        values = self._gather(v_cache, blocks).to(q.dtype)
-        # Token t of the flat batch -> (row r, offset i) in the padded [R, max_q] query grid.
-        tok = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in rows]).to(device)
-        row_of = torch.repeat_interleave(
-            torch.arange(len(rows)), torch.tensor(q_lens)
-        ).to(device)
-        off = torch.cat([torch.arange(n) for n in q_lens]).to(device)
-        q_pad = q.new_zeros(len(rows), max_q, *q.shape[1:])  # [R, max_q, H, D]
-        q_pad[row_of, off] = q[tok]
-        ctx_t = torch.tensor(ctx_lens, device=device)[:, None, None]  # [R, 1, 1]
-        q_len_t = torch.tensor(q_lens, device=device)[:, None, None]
-        q_pos = ctx_t - q_len_t + torch.arange(max_q, device=device)[None, :, None]  # [R, Q, 1]
-        k_pos = torch.arange(keys.shape[2], device=device)[None, None, :]  # [1, 1, L]
-        mask = _visible(q_pos, k_pos, ctx_t, sliding_window)  # [R, Q, L]
-        # Padding query rows would see nothing (NaN softmax): let them see key 0; discarded.
-        mask[:, :, 0] |= torch.arange(max_q, device=device)[None, :] >= q_len_t[:, :, 0]
-        o = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale,
-            enable_gqa=True,
-        )  # [R, H, Q, D]
-        out[tok] = o.transpose(1, 2)[row_of, off]

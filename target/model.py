@@ -21,7 +21,7 @@ from torch import nn
 from kernels.metadata import AttentionMetadata
 from kernels.norm import rms_norm
 from kernels.registry import AttentionBackend
-from kernels.rotary import RotaryEmbedding
+from kernels.rotary import RotaryEmbedding, apply_rotary
 from specserve.errors import ModelLoadError
 from target.config import ModelConfig
 
@@ -63,7 +63,7 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
     ) -> torch.Tensor:  # [T, hidden]
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -72,7 +72,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.forward(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         o = backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
         )  # [T, H, D]
@@ -112,10 +112,10 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:  # [T, hidden]
         # Same order of additions as transformers, so float32 results match bit for bit.
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta, backend, rotary)
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta, backend, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -175,8 +175,9 @@ class CausalLM(nn.Module):
         if self.rotary.inv_freq.device != positions.device:
             self.rotary.inv_freq = self.rotary.inv_freq.to(positions.device)
         h = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary.cos_sin(positions, h.dtype)  # once per step, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(positions, h, kv_cache, meta, attn_backend, self.rotary)
+            h = layer(positions, h, kv_cache, meta, attn_backend, rope)
         if logits_indices is not None:
             h = h[logits_indices]  # [N, hidden]
         h = self.norm(h)  # [N, hidden]; RMSNorm is per row, so selecting first is exact

@@ -124,3 +124,14 @@ def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ConfigError, match="unknown attention backend 'nope'; choose one of"):
         get_attention_backend("nope", "cpu")
     assert get_attention_backend("auto", "cpu").name == "torch"
+
+
+@pytest.mark.parametrize("cached", [0, 3, 15, 21])
+def test_single_decode_token(cached):
+    # The unmasked fast path: one sequence, one new token (context may end mid-block).
+    run_case(cached, query_lens=[1], cached_lens=[cached], H=6, KVH=3, D=16, block_size=16)
+
+
+def test_decode_only_batch():
+    run_case(5, query_lens=[1, 1, 1, 1], cached_lens=[0, 16, 33, 7], H=4, KVH=1, D=8,
+             block_size=8)
