@@ -97,3 +97,13 @@ class AttentionMetadata:
             context_lens_cpu=list(context_lens),
             block_size=block_size,
         )
+
+
+def token_positions(query_lens: list[int], context_lens: list[int]) -> torch.Tensor:
+    """Absolute position of every new token of a flattened batch: [T] int64. Sequence b's new
+    tokens sit at context_lens[b] - query_lens[b] .. context_lens[b] - 1."""
+    q = torch.tensor(query_lens, dtype=torch.int64)
+    ctx = torch.tensor(context_lens, dtype=torch.int64)
+    first = torch.repeat_interleave(ctx - q, q)  # [T] each token's sequence's first new position
+    seq_start = torch.repeat_interleave(torch.cumsum(q, 0) - q, q)  # [T] its offset in the batch
+    return first + torch.arange(int(q.sum())) - seq_start

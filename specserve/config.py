@@ -19,6 +19,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     model: str | None = None  # local HF folder, .gguf file, or hub id; None = built-in default
     tokenizer: str | None = None  # defaults to the model's own
+    draft_model: str | None = None  # small LM with the target's tokenizer, for method "draft"
+    speculative_method: str | None = None  # draft | ngram | off; None = draft if a draft is set
+    num_speculative_tokens: int = 4  # k_max: the most draft tokens verified per step
+    adaptive_speculation: bool = True  # choose k <= k_max per sequence and step from costs
+    prompt_lookup_min: int = 1  # n-gram proposer: shortest n-gram matched
+    prompt_lookup_max: int = 4  # n-gram proposer: longest n-gram matched (tried first)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None = the model's max_position_embeddings, capped at 8192
@@ -37,6 +43,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self.validate()
 
     def validate(self) -> None:
+        if self.speculative_method not in (None, "draft", "ngram", "off"):
+            raise ConfigError(
+                f"speculative-method must be draft, ngram or off (got {self.speculative_method!r})"
+            )
+        if self.speculative_method == "draft" and self.draft_model is None:
+            raise ConfigError("speculative-method draft needs --draft-model PATH")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(
+                f"num-speculative-tokens must be in [0, 16] (got {self.num_speculative_tokens})"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(
+                f"need 1 <= prompt-lookup-min <= prompt-lookup-max (got "
+                f"{self.prompt_lookup_min}, {self.prompt_lookup_max})"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(
                 f"dtype must be one of auto, {', '.join(_DTYPES)} (got {self.dtype!r})"
@@ -58,6 +79,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self.model
         ).exists():
             raise ConfigError(f"model file not found: {self.model}")
+
+    @property
+    def default_speculative_method(self) -> str:
+        if self.speculative_method is not None:
+            return self.speculative_method
+        return "draft" if self.draft_model is not None else "off"
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

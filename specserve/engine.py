@@ -14,19 +14,21 @@ from collections.abc import Iterable
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from draft.model_proposer import DraftModelProposer
+from kernels.metadata import AttentionMetadata, token_positions
 from kernels.registry import get_attention_backend
 from specserve.block_manager import BlockManager
 from specserve.config import EngineConfig
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.output_processor import RequestState
 from specserve.outputs import RequestOutput
-from specserve.sampling import SampleRequest, sample
-from specserve.sampling_params import SamplingParams
+from specserve.sampling import SampleRequest
+from specserve.sampling_params import SamplingParams, SpeculativeParams
 from specserve.scheduler import ScheduledBatch, Scheduler
 from specserve.sequence import Sequence
+from specserve.speculator import Speculator
 from specserve.tokenizer import IncrementalDetokenizer, apply_chat_template
-from target.loader import build_model
+from target.loader import build_model, check_draft_compatible
 from target.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,13 @@ class LLMEngine:
         self.model_path = model_path
         self.model_config, model = build_model(model_path, self.dtype, self.device)
         self.tokenizer = load_tokenizer(config.tokenizer or model_path)
+        self.draft_config, draft_model = None, None
+        if config.draft_model is not None:
+            draft_path = resolve_model_path(config.draft_model)
+            self.draft_config, draft_model = build_model(draft_path, self.dtype, self.device)
+            check_draft_compatible(
+                self.model_config, self.draft_config, self.tokenizer, load_tokenizer(draft_path)
+            )
         self._resolve_limits()
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(
@@ -65,6 +74,16 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = self._eos_ids()
         self.generator = torch.Generator().manual_seed(config.seed)
+        draft = None
+        if draft_model is not None and self.draft_config is not None:
+            # Same block ids, separate KV tensors: one block table serves both models.
+            draft_runner = ModelRunner(
+                self.draft_config, draft_model, num_blocks=config.num_kv_blocks,
+                block_size=config.block_size, dtype=self.dtype, device=self.device,
+                attn_backend=self.attn_backend,
+            )
+            draft = DraftModelProposer(draft_runner, config.block_size, config.seed)
+        self.speculator = Speculator(config, draft, self.generator)
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         log.info(
@@ -88,6 +107,8 @@ class LLMEngine:
                 f"max_position_embeddings {model_max}; lower --max-model-len"
             )
         per_block = ModelRunner.bytes_per_block(mc, cfg.block_size, self.dtype)
+        if self.draft_config is not None:
+            per_block += ModelRunner.bytes_per_block(self.draft_config, cfg.block_size, self.dtype)
         if cfg.num_kv_blocks is None:
             budget = cfg.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
             if self.device.type == "cuda" and cfg.kv_cache_memory is None:
@@ -124,7 +145,11 @@ class LLMEngine:
         return apply_chat_template(self.tokenizer, messages)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        speculative: SpeculativeParams | None = None,
     ) -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
@@ -144,6 +169,7 @@ class LLMEngine:
             )
         params.validate()
         seq = Sequence(next(self._seq_ids), request_id, ids, params)
+        seq.spec_method, seq.spec_k_max = self._resolve_speculation(speculative)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -155,6 +181,18 @@ class LLMEngine:
         )
         self.scheduler.add(seq)
 
+    def _resolve_speculation(self, spec: SpeculativeParams | None) -> tuple[str, int]:
+        method = (spec.method if spec else None) or self.config.default_speculative_method
+        k = spec.num_tokens if spec and spec.num_tokens is not None else None
+        if k is None:
+            k = self.config.num_speculative_tokens
+        if method == "draft" and self.speculator.draft is None:
+            raise InvalidRequestError(
+                "speculative.method 'draft' needs a server started with --draft-model",
+                param="speculative.method",
+            )
+        return (method, k) if method != "off" and k > 0 else ("off", 0)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancels a request; its KV blocks return to the pool at once. Returns its final output
         (finish_reason "abort"), or None if it is unknown or already finished."""
@@ -162,6 +200,7 @@ class LLMEngine:
         if state is None:
             return None
         self.scheduler.finish(state.seq)
+        self.speculator.forget(state.seq)
         state.abort()
         return state.make_output()
 
@@ -171,43 +210,66 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """schedule -> (draft prefill, propose) -> one target forward -> verify -> post-process."""
+        spec = self.speculator
+        spec.choose_k(self.scheduler.running, self.config.max_model_len)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
         t_start = time.perf_counter()
-        input_ids, positions, meta, logits_idx, sampled = self._prepare(batch)
+        rows = {s.seq.seq_id: self._sample_request(s.seq) for s in batch.scheduled if s.samples}
+        spec.draft_prefill(batch)
+        drafts = spec.propose(batch, rows)
+        t_drafted = time.perf_counter()
+        input_ids, positions, meta, logits_idx, spans = self._prepare(batch, drafts.tokens)
         logits, _ = self.runner.forward(input_ids, positions, meta, logits_idx)
         t_model = time.perf_counter()
-        rows = [self._sample_request(s.seq) for s in sampled]
-        tokens, logprobs = sample(logits, rows, self.generator) if rows else ([], [])
+        spec.policy.record_target(meta.num_tokens, t_model - t_drafted)
+        per_seq = {sid: logits[a:b] for sid, (a, b) in spans.items()}
+        results = spec.verify(per_seq, rows, drafts)
         t_sample = time.perf_counter()
 
-        model_ms = (t_model - t_start) * 1e3
-        for s in batch.scheduled:
-            state = self.requests[s.seq.request_id]
-            if s.seq.timings.first_scheduled is None:
-                s.seq.timings.first_scheduled = t_start
-            if s.seq.is_prefill:
-                state.timings.prefill_ms += model_ms
-            else:
-                state.timings.decode_ms += model_ms
-            s.seq.num_computed_tokens += s.num_new_tokens
         outputs: list[RequestOutput] = []
-        for s, token, lp in zip(sampled, tokens, logprobs):
+        for s in batch.scheduled:
             seq = s.seq
             state = self.requests[seq.request_id]
-            state.timings.sample_ms += (t_sample - t_model) * 1e3
+            t = state.timings
+            if seq.timings.first_scheduled is None:
+                seq.timings.first_scheduled = t_start
+            if seq.is_prefill:
+                t.prefill_ms += (t_model - t_drafted) * 1e3
+            else:
+                t.decode_ms += (t_model - t_drafted) * 1e3
+            if seq.seq_id not in results:  # a prefill chunk short of the prompt's end
+                seq.num_computed_tokens += s.num_new_tokens
+                self.block_manager.commit_computed(seq)
+                continue
+            tokens, accepted, logprobs = results[seq.seq_id]
+            seq_drafts = drafts.tokens.get(seq.seq_id, [])
+            n_before = seq.num_tokens
+            # KV is valid for the fed tokens up to the last accepted draft (see rejection_sampler).
+            seq.num_computed_tokens = n_before + accepted
+            t.sample_ms += (t_sample - t_model) * 1e3
+            if seq_drafts:
+                t.draft_ms += drafts.draft_seconds * 1e3
+                t.num_drafted += len(seq_drafts)
+                t.num_accepted += accepted
             if seq.timings.first_token is None:
                 seq.timings.first_token = t_sample
-            state.append([token], [lp])
-            self.block_manager.commit_computed(seq)
+            taken = state.append(tokens, logprobs)
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            spec.after_verify(s, n_before, seq_drafts, accepted)
             if seq.is_finished:
                 self.scheduler.finish(seq)
+                spec.forget(seq)
                 self.requests.pop(seq.request_id)
+            else:
+                # Rejected drafts: slots past the new end are overwritten later; whole blocks
+                # past it go back to the pool now.
+                self.block_manager.truncate(seq, seq.num_tokens)
+                self.block_manager.commit_computed(seq)
+            del taken
             outputs.append(state.make_output())
-        for s in batch.scheduled:
-            if not s.samples:  # a prefill chunk that did not reach the end of the prompt
-                self.block_manager.commit_computed(s.seq)
         return outputs
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:
@@ -222,37 +284,37 @@ class LLMEngine:
             banned_until_min_tokens=banned,
         )
 
-    def _prepare(self, batch: ScheduledBatch):
-        """Flattens the scheduled chunks into one batch. Returns input_ids [T], positions [T],
-        attention metadata, logits_indices [S] (the last token of each chunk that samples) and
-        the ScheduledSeqs those rows belong to."""
+    def _prepare(self, batch: ScheduledBatch, drafts: dict[int, list[int]]):
+        """Flattens the scheduled chunks (each decoding sequence: its last token + its drafts)
+        into one batch. Returns input_ids [T], positions [T], attention metadata,
+        logits_indices [S] and, per sampling sequence, its [start, end) rows in the logits:
+        k + 1 rows for a sequence verifying k drafts, 1 for the end of a prefill."""
         ids: list[int] = []
         query_lens, context_lens, tables = [], [], []
         logits_idx: list[int] = []
-        sampled = []
+        spans: dict[int, tuple[int, int]] = {}
         for s in batch.scheduled:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            extra = drafts.get(seq.seq_id, [])
             ids.extend(seq.token_ids[start : start + n])
-            query_lens.append(n)
-            context_lens.append(start + n)
+            ids.extend(extra)
+            query_lens.append(n + len(extra))
+            context_lens.append(start + n + len(extra))
             tables.append(seq.block_table)
             if s.samples:
-                logits_idx.append(len(ids) - 1)
-                sampled.append(s)
+                first = len(logits_idx)
+                logits_idx.extend(range(len(ids) - len(extra) - 1, len(ids)))
+                spans[seq.seq_id] = (first, len(logits_idx))
         meta = AttentionMetadata.build(
             query_lens, context_lens, tables, self.config.block_size, self.device
         )
-        q = torch.tensor(query_lens)
-        ctx = torch.tensor(context_lens)
-        first = torch.repeat_interleave(ctx - q, q)  # [T] first new position of each token's seq
-        cu = torch.repeat_interleave(torch.cumsum(q, 0) - q, q)
-        positions = first + torch.arange(len(ids)) - cu  # [T]
+        positions = token_positions(query_lens, context_lens)  # [T]
         return (
             torch.tensor(ids, dtype=torch.int64, device=self.device),
             positions.to(self.device),
             meta,
             torch.tensor(logits_idx, dtype=torch.int64, device=self.device),
-            sampled,
+            spans,
         )
 
     # ---- offline API --------------------------------------------------------------------
@@ -261,6 +323,7 @@ class LLMEngine:
         self,
         prompts: Iterable[str | list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        speculative: SpeculativeParams | None = None,
     ) -> list[RequestOutput]:
         """Runs prompts to completion with continuous batching; outputs in prompt order."""
         prompts = list(prompts)
@@ -272,7 +335,7 @@ class LLMEngine:
             raise InvalidRequestError("give one SamplingParams per prompt, or one for all")
         ids = [f"offline-{next(self._seq_ids)}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p)
+            self.add_request(rid, prompt, p, speculative)
         finals: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

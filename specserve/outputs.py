@@ -16,11 +16,14 @@ class RequestTimings:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     sample_ms: float = 0.0
+    draft_ms: float = 0.0
     detokenize_ms: float = 0.0
     ttft_ms: float | None = None
     e2e_ms: float | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
+    num_drafted: int = 0  # draft tokens proposed and verified
+    num_accepted: int = 0  # of those, accepted by the target
 
 
 @dataclass

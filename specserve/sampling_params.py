@@ -67,3 +67,29 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"logprobs must be in [0, 20] (got {self.logprobs!r})", param="logprobs"
             )
+
+
+_SPEC_METHODS = ("draft", "ngram", "off")
+
+
+@dataclass
+class SpeculativeParams:
+    """Per-request speculation override (the ``speculative`` request field), for A/B runs:
+    ``method`` None keeps the server's method, ``num_tokens`` None keeps its k_max; method "off"
+    or num_tokens 0 decodes plainly through the same engine."""
+
+    method: str | None = None
+    num_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in _SPEC_METHODS:
+            raise InvalidRequestError(
+                f"speculative.method must be one of {', '.join(_SPEC_METHODS)} "
+                f"(got {self.method!r})",
+                param="speculative.method",
+            )
+        if self.num_tokens is not None and not 0 <= self.num_tokens <= 16:
+            raise InvalidRequestError(
+                f"speculative.num_tokens must be in [0, 16] (got {self.num_tokens!r})",
+                param="speculative.num_tokens",
+            )

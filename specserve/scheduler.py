@@ -26,6 +26,7 @@ from specserve.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
+    num_lookahead: int = 0  # speculative draft tokens verified after them (KV slots reserved)
     # True if this chunk reaches the end of the known tokens, so the step samples one. Fixed at
     # scheduling time (the engine advances num_computed_tokens afterwards).
     samples: bool = field(init=False)
@@ -41,7 +42,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + s.num_lookahead for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -76,19 +77,22 @@ class Scheduler:
         budget = self.max_num_batched_tokens
 
         # 1. Running sequences, oldest first. Preempt from the newest end when blocks run out.
+        # A decoding sequence also verifies ``seq.spec_k`` draft tokens (set by the engine's
+        # speculation policy), cut to what the budget still allows.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(seq, n):
+            k = min(seq.spec_k, budget - n) if seq.num_tokens - seq.num_computed_tokens == 1 else 0
+            while not self.block_manager.allocate_slots(seq, n, k):
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                batch.scheduled.append(ScheduledSeq(seq, n))
-                budget -= n
+                batch.scheduled.append(ScheduledSeq(seq, n, k))
+                budget -= n + k
                 i += 1
 
         # 2. Admit waiting sequences (FCFS) while there is room; not after a preemption, which

@@ -58,6 +58,12 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    # Speculation: method for this request ("off" | "draft" | "ngram"), its most draft tokens per
+    # step, the k chosen for the next step, and how many tokens the draft model has KV for.
+    spec_method: str = "off"
+    spec_k_max: int = 0
+    spec_k: int = 0
+    draft_num_computed: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     timings: SequenceTimings = field(default_factory=SequenceTimings)
@@ -103,5 +109,7 @@ class Sequence:
         self.block_table = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.draft_num_computed = 0
+        self.spec_k = 0
         self.status = SequenceStatus.WAITING
         self.timings.num_preemptions += 1

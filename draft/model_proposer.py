@@ -1,0 +1,158 @@
+"""DraftModelProposer: a small causal LM drafts k tokens for every decoding sequence, batched.
+
+The draft is run by the same ``target.ModelRunner`` code as the target, with its own KV tensors
+indexed by the SAME block ids (one block table per sequence serves both models; the pool was
+sized for both). ``Sequence.draft_num_computed`` counts the tokens the draft has KV for.
+
+Per step, for the decoding sequences that speculate (k_i >= 1):
+    draft step 0 feeds every token the draft has no KV for yet: normally just the last token, or
+        two after a step where every draft passed (the last draft and the bonus token were never
+        run through the draft), or a whole prompt after a prefix-cache hit on blocks whose draft
+        KV is missing; it samples d_1.
+    draft step j (1 .. k_i - 1) feeds d_j and samples d_{j+1}; sequences with smaller k drop out.
+Worked example, a sequence of n0 = 10 tokens, k = 3: step 0 feeds position 9 (and anything
+before it the draft lacks) -> d1; step 1 feeds d1 at position 10 -> d2; step 2 feeds d2 at 11
+-> d3. The draft now has KV for positions < 12 = n0 + k - 1; after the target accepts a drafts,
+``draft_num_computed = n0 + min(a, k - 1)``.
+
+Sampled requests draw drafts from q = softmax(process_logits(draft logits)) with the request's
+own temperature / top-k / top-p, and q is returned for the rejection sampler; greedy requests
+take the draft's argmax (their q is never read).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from draft.base import Proposal
+from kernels.metadata import AttentionMetadata, token_positions
+from specserve.sampling import SampleRequest, process_logits
+from specserve.sequence import Sequence
+from target.model_runner import ModelRunner
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, runner: ModelRunner, block_size: int, seed: int = 0) -> None:
+        self.runner = runner
+        self.block_size = block_size
+        self.device = runner.device
+        self.generator = torch.Generator().manual_seed(seed + 0x5EED)
+        # Per-request draft RNGs for seeded requests, so their drafts are reproducible too.
+        self.seeded: dict[int, torch.Generator] = {}
+
+    def forget(self, seq_id: int) -> None:
+        self.seeded.pop(seq_id, None)
+
+    # ---- keeping the draft's KV in step with the target -----------------------------------
+
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """Runs the draft over prefill chunks the target computes this step. ``chunks``: (seq,
+        end) pairs: the draft catches up on tokens [draft_num_computed, end). Tokens served from
+        the prefix cache are trusted to hold draft KV too (blocks are shared by both models)."""
+        work = []
+        for seq, end in chunks:
+            start = max(seq.draft_num_computed, seq.num_cached_tokens)
+            if start < end:
+                work.append((seq, start, end))
+        if not work:
+            return
+        ids, q_lens, ctx_lens, tables = [], [], [], []
+        for seq, start, end in work:
+            ids.extend(seq.token_ids[start:end])
+            q_lens.append(end - start)
+            ctx_lens.append(end)
+            tables.append(seq.block_table)
+        meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device)
+        positions = token_positions(q_lens, ctx_lens)
+        # logits for nothing: an empty index set skips the draft's lm_head entirely.
+        self.runner.forward(
+            torch.tensor(ids, device=self.device), positions.to(self.device), meta,
+            torch.empty(0, dtype=torch.int64, device=self.device),
+        )
+        for seq, _, end in work:
+            seq.draft_num_computed = end
+
+    # ---- drafting -----------------------------------------------------------------------
+
+    def propose(
+        self, seqs: list[Sequence], ks: list[int], rows: list[SampleRequest]
+    ) -> tuple[Proposal, list[float]]:
+        """Drafts ks[i] tokens for seqs[i]. Returns the proposal (draft probs row-ordered by
+        sequence, then position) and the seconds each draft step took."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        step_seconds: list[float] = []
+        active = [i for i, k in enumerate(ks) if k > 0]
+        step = 0
+        while active:
+            t0 = time.perf_counter()
+            ids, q_lens, ctx_lens, tables = [], [], [], []
+            for i in active:
+                seq = seqs[i]
+                if step == 0:
+                    start = min(seq.draft_num_computed, seq.num_tokens - 1)
+                    ids.extend(seq.token_ids[start:])
+                    q_lens.append(seq.num_tokens - start)
+                    ctx_lens.append(seq.num_tokens)
+                else:
+                    ids.append(drafts[i][-1])
+                    q_lens.append(1)
+                    ctx_lens.append(seq.num_tokens + step)
+                tables.append(seq.block_table)
+            meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device)
+            positions = token_positions(q_lens, ctx_lens)
+            last = torch.cumsum(torch.tensor(q_lens), 0) - 1
+            logits, _ = self.runner.forward(
+                torch.tensor(ids, device=self.device), positions.to(self.device), meta,
+                last.to(self.device),
+            )  # [A, V]
+            tokens, q = self._sample(
+                logits.cpu(), [rows[i] for i in active], [seqs[i] for i in active]
+            )
+            for j, i in enumerate(active):
+                drafts[i].append(tokens[j])
+                probs[i].append(q[j])
+                if step == 0:
+                    seqs[i].draft_num_computed = seqs[i].num_tokens
+            step += 1
+            active = [i for i in active if len(drafts[i]) < ks[i]]
+            step_seconds.append(time.perf_counter() - t0)
+        flat = [p for per_seq in probs for p in per_seq]
+        draft_probs = torch.stack(flat) if flat else None
+        return Proposal(draft_token_ids=drafts, draft_probs=draft_probs), step_seconds
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SampleRequest], seqs: list[Sequence]
+    ) -> tuple[list[int], torch.Tensor]:
+        """logits [A, V] -> one draft token per row and its distribution q [A, V]."""
+        tokens = logits.argmax(dim=-1)
+        q = torch.zeros_like(logits)
+        q[torch.arange(len(rows)), tokens] = 1.0  # greedy rows: one-hot (never read)
+        sampled = [j for j, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            idx = torch.tensor(sampled)
+            params = [rows[j].params for j in sampled]
+            processed = process_logits(
+                logits[idx],
+                torch.tensor([p.temperature for p in params], dtype=logits.dtype),
+                torch.tensor([p.top_k for p in params], dtype=torch.int64),
+                torch.tensor([p.top_p for p in params], dtype=logits.dtype),
+            )
+            q_s = processed.softmax(dim=-1)
+            q[idx] = q_s
+            for n, j in enumerate(sampled):
+                gen = self._generator_for(seqs[j], rows[j])
+                tokens[j] = torch.multinomial(q_s[n], 1, generator=gen)[0]
+        return tokens.tolist(), q
+
+    def _generator_for(self, seq: Sequence, row: SampleRequest) -> torch.Generator:
+        if row.params.seed is None:
+            return self.generator
+        gen = self.seeded.get(seq.seq_id)
+        if gen is None:
+            gen = self.seeded[seq.seq_id] = torch.Generator().manual_seed(row.params.seed + 1)
+        return gen

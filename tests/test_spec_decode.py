@@ -1,0 +1,209 @@
+"""Speculative decoding end to end: output identical to transformers' greedy generate() with
+n-gram and draft-model proposers (under batching, chunked prefill, preemption), the sampled
+distribution equal to the target's, exact stops inside multi-token steps, no KV leak."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from specserve.config import EngineConfig
+from specserve.engine import LLMEngine
+from specserve.errors import ModelLoadError
+from specserve.sampling_params import SamplingParams, SpeculativeParams
+from specserve.spec_policy import Candidate, SpeculationPolicy, expected_tokens
+from tests.test_engine import BASE, build_model_dir, hf_greedy, prompts
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+LONG = {**BASE, "max_position_embeddings": 512}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny target, an unrelated tiny draft with the same vocabulary, and a 2-layer draft cut
+    from the target (partly agrees with it)."""
+    target_dir = tmp_path_factory.mktemp("target")
+    hf = build_model_dir(LlamaConfig(**LONG), target_dir)
+    other_dir = tmp_path_factory.mktemp("draft_other")
+    torch.manual_seed(1)
+    cfg = LlamaConfig(**{**LONG, "num_hidden_layers": 1, "hidden_size": 32,
+                         "intermediate_size": 64, "num_attention_heads": 2,
+                         "num_key_value_heads": 1})
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(other_dir)
+    return str(target_dir), str(other_dir), hf
+
+
+def repetitive_prompts(seed=0):
+    """Prompts with repeats, so prompt lookup finds matches."""
+    base = prompts([6, 9, 4], seed=seed)
+    return [b * 4 + b[:3] for b in base] + prompts([17], seed=seed + 1)
+
+
+def make(path, **kw) -> LLMEngine:
+    cfg = dict(model=path, dtype="float32", block_size=4, num_kv_blocks=400,
+               adaptive_speculation=False, num_speculative_tokens=4)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def check_greedy(engine, hf, prompt_list, params=GREEDY, speculative=None):
+    outs = engine.generate(prompt_list, params, speculative)
+    for p, out in zip(prompt_list, outs):
+        assert out.token_ids == hf_greedy(hf, p, params.max_tokens)
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+    return outs
+
+
+@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 9},
+                                       {"num_kv_blocks": 30, "max_model_len": 100}])
+def test_ngram_greedy_identical_to_transformers(models, engine_kw):
+    target, _, hf = models
+    engine = make(target, speculative_method="ngram", **engine_kw)
+    outs = check_greedy(engine, hf, repetitive_prompts())
+    assert sum(o.timings.num_drafted for o in outs) > 0
+
+
+@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 9},
+                                       {"num_kv_blocks": 30, "max_model_len": 100}])
+def test_draft_model_greedy_identical_to_transformers(models, engine_kw):
+    target, other, hf = models
+    engine = make(target, draft_model=other, **engine_kw)
+    outs = check_greedy(engine, hf, repetitive_prompts(1))
+    drafted = sum(o.timings.num_drafted for o in outs)
+    accepted = sum(o.timings.num_accepted for o in outs)
+    assert drafted > 0 and accepted < drafted  # an unrelated draft is often wrong
+
+
+def test_target_as_its_own_draft_accepts_everything(models):
+    target, _, hf = models
+    engine = make(target, draft_model=target)
+    outs = check_greedy(engine, hf, prompts([5, 12, 30], seed=3))
+    for o in outs:
+        assert o.timings.num_drafted > 0
+        assert o.timings.num_accepted == o.timings.num_drafted
+    # k = 4 with full acceptance: 5 tokens per verify step, so few steps per request.
+
+
+def test_per_request_override_and_plain_ab(models):
+    target, other, hf = models
+    engine = make(target, draft_model=other)
+    ps = repetitive_prompts(2)
+    plain = check_greedy(engine, hf, ps, speculative=SpeculativeParams(method="off"))
+    assert all(o.timings.num_drafted == 0 for o in plain)
+    ngram = check_greedy(engine, hf, ps, speculative=SpeculativeParams("ngram", 2))
+    assert sum(o.timings.num_drafted for o in ngram) > 0
+
+
+def test_stops_inside_a_multi_token_step(models):
+    target, _, hf = models
+    engine = make(target, draft_model=target)  # full acceptance: 5 tokens per step
+    p = prompts([11], seed=4)[0]
+    ref = hf_greedy(hf, p, 16)
+    for cut in (1, 2, 3, 6, 7):
+        if ref[cut] in ref[:cut]:
+            continue
+        params = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[ref[cut]],
+                                logprobs=2)
+        (spec,) = engine.generate([p], params)
+        (plain,) = engine.generate([p], params, SpeculativeParams(method="off"))
+        assert spec.token_ids == plain.token_ids == ref[: cut + 1]
+        assert spec.finish_reason == plain.finish_reason == "stop"
+        assert [lp.token_id for lp in spec.logprobs] == spec.token_ids
+        for a, b in zip(spec.logprobs, plain.logprobs):
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    for n in (1, 3, 6):
+        (spec,) = engine.generate([p], SamplingParams(max_tokens=n, temperature=0.0,
+                                                      ignore_eos=True))
+        assert spec.token_ids == ref[:n] and spec.finish_reason == "length"
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+
+
+def exact_second_token_distribution(hf, prompt, temperature):
+    """P(t2) = sum_t1 p(t1 | prompt) p(t2 | prompt, t1), in float64 from transformers."""
+    with torch.no_grad():
+        first = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)
+        vocab = first.shape[0]
+        batch = torch.tensor([prompt + [t] for t in range(vocab)])
+        second = torch.softmax(hf(batch).logits[:, -1].double() / temperature, -1)  # [V, V]
+    return first @ second
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_sampled_distribution_equals_target(models, method):
+    """The second token is produced by a verify step (k = 1 draft), so its distribution is the
+    rejection sampler's output; it must equal the target's exact marginal."""
+    target, other, hf = models
+    temperature = 1.5  # flatten the tiny model's distribution so many tokens occur
+    # Every token id occurs in the prompt, so prompt lookup always has a match to propose.
+    prompt = torch.randperm(BASE["vocab_size"], generator=torch.Generator().manual_seed(0))
+    prompt = prompt.tolist()
+    expected = exact_second_token_distribution(hf, prompt, temperature)
+    engine = make(target, draft_model=other, max_num_seqs=256, max_num_batched_tokens=4096,
+                  num_kv_blocks=2000, seed=5)
+    params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
+    counts = torch.zeros_like(expected)
+    drafted = 0
+    n = 0
+    for _ in range(12):
+        outs = engine.generate([prompt] * 250, params, SpeculativeParams(method, 1))
+        for o in outs:
+            counts[o.token_ids[1]] += 1
+            drafted += o.timings.num_drafted
+        n += len(outs)
+    assert drafted > n / 2  # most second tokens really went through verification
+    # Pool tokens with small expected counts, then a chi-square bound (no scipy needed).
+    order = torch.argsort(expected, descending=True)
+    big = order[expected[order] * n >= 5]
+    small = order[expected[order] * n < 5]
+    obs = torch.cat([counts[big], counts[small].sum()[None]])
+    exp = torch.cat([expected[big], expected[small].sum()[None]]) * n
+    keep = exp > 0
+    chi2 = float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    assert chi2 < df + 6 * math.sqrt(2 * df), (chi2, df)
+
+
+def test_draft_with_other_vocabulary_is_refused(models, tmp_path):
+    target, _, _ = models
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(LlamaConfig(**{**BASE, "vocab_size": 301})).save_pretrained(
+        tmp_path
+    )
+    with pytest.raises(ModelLoadError, match="vocabulary"):
+        make(target, draft_model=str(tmp_path))
+
+
+def test_policy_turns_speculation_off_when_compute_bound():
+    policy = SpeculationPolicy()
+    # Memory-bound: 50 ms per forward, 0.2 ms per extra token, cheap draft steps.
+    for n in (1, 8, 16, 32):
+        policy.record_target(n, 0.050 + 0.0002 * n)
+        policy.record_draft_step(n, 0.004 + 0.0001 * n)
+    cands = [Candidate(i, 6, 0.8, True) for i in range(4)]
+    ks = policy.choose(cands, 0)
+    assert all(k >= 3 for k in ks.values())
+    # Compute-bound: every token costs as much as the fixed part of a small batch.
+    policy = SpeculationPolicy()
+    for n in (16, 32, 64, 128):
+        policy.record_target(n, 0.001 + 0.002 * n)
+        policy.record_draft_step(n, 0.004 + 0.0001 * n)
+    ks = policy.choose([Candidate(i, 6, 0.8, True) for i in range(64)], 0)
+    assert all(k == 0 for k in ks.values())
+    # Drafts that are never accepted are never worth verifying.
+    policy = SpeculationPolicy()
+    ks = policy.choose([Candidate(0, 6, 0.0, False)], 0)
+    assert ks[0] == 0
+
+
+def test_expected_tokens():
+    assert expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.0, 4) == 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
