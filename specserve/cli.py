@@ -21,6 +21,12 @@ _ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "model": ("local HF folder, .gguf file or hub id (default: built-in SmolLM2-135M-Instruct)",
               str),
     "tokenizer": ("tokenizer folder/file (default: the model's own)", str),
+    "draft_model": ("draft model for speculative decoding (same tokenizer as the target)", str),
+    "speculative_method": ("draft | ngram | off (default: draft if --draft-model, else off)",
+                           str),
+    "num_speculative_tokens": ("k_max: most draft tokens verified per step (0-16)", int),
+    "prompt_lookup_min": ("n-gram proposer: shortest n-gram to match", int),
+    "prompt_lookup_max": ("n-gram proposer: longest n-gram to match (tried first)", int),
     "dtype": ("auto | float32 | bfloat16 | float16 (auto: bf16 on GPU/bf16 CPUs, else fp32)", str),
     "device": ("auto | cpu | cuda[:N]", str),
     "max_model_len": ("context window in tokens (default: model's, at most 8192)", int),
@@ -50,11 +56,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
         default=defaults.enable_prefix_caching, help="reuse KV of shared prompt prefixes",
     )
+    group.add_argument(
+        "--adaptive-speculation", action=argparse.BooleanOptionalAction,
+        default=defaults.adaptive_speculation,
+        help="choose k <= k_max per sequence and step from measured costs and acceptance",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     fields = {name: getattr(args, name) for name in _ENGINE_FLAGS}
     fields["enable_prefix_caching"] = args.enable_prefix_caching
+    fields["adaptive_speculation"] = args.adaptive_speculation
     return EngineConfig(**fields)
 
 
@@ -101,10 +113,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(out.text)
     n_out = sum(o.num_output_tokens for o in outputs)
     ttft = outputs[0].timings.ttft_ms or 0.0
+    drafted = sum(o.timings.num_drafted for o in outputs)
+    accepted = sum(o.timings.num_accepted for o in outputs)
+    spec = f"; drafts accepted {accepted}/{drafted}" if drafted else ""
     print(
         f"[{n_out} tokens in {elapsed:.2f} s: {n_out / elapsed:.1f} tok/s; "
         f"prompt {sum(o.num_prompt_tokens for o in outputs)} tokens; TTFT {ttft:.0f} ms; "
-        f"load {load_s:.1f} s; finish {outputs[0].finish_reason}]",
+        f"load {load_s:.1f} s; finish {outputs[0].finish_reason}{spec}]",
         file=sys.stderr,
     )
     return 0

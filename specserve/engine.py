@@ -179,6 +179,7 @@ class LLMEngine:
         self.requests[request_id] = RequestState(
             seq, detok, self.eos_token_ids, self.config.max_model_len, generator
         )
+        self.requests[request_id].timings.speculative_method = seq.spec_method
         self.scheduler.add(seq)
 
     def _resolve_speculation(self, spec: SpeculativeParams | None) -> tuple[str, int]:
@@ -254,6 +255,7 @@ class LLMEngine:
                 t.draft_ms += drafts.draft_seconds * 1e3
                 t.num_drafted += len(seq_drafts)
                 t.num_accepted += accepted
+                t.num_verify_steps += 1
             if seq.timings.first_token is None:
                 seq.timings.first_token = t_sample
             taken = state.append(tokens, logprobs)

@@ -24,6 +24,19 @@ class RequestTimings:
     num_cached_prompt_tokens: int = 0
     num_drafted: int = 0  # draft tokens proposed and verified
     num_accepted: int = 0  # of those, accepted by the target
+    num_verify_steps: int = 0  # steps that verified >= 1 draft; drafted / steps = mean chosen k
+    speculative_method: str = "off"
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verify step (accepted drafts + the recovered/bonus token)."""
+        if not self.num_verify_steps:
+            return None
+        return (self.num_accepted + self.num_verify_steps) / self.num_verify_steps
 
 
 @dataclass

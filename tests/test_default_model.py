@@ -139,3 +139,40 @@ def test_cli_generate_default_model():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     assert "tok/s" in proc.stderr
+
+
+REWRITE = (
+    "Rewrite the following text in a more formal tone, keeping every fact.\n\n"
+    "The new library opens on Monday. The new library has a cafe, a reading room and a "
+    "children's corner. The new library is open from nine to six."
+)
+
+
+@pytest.fixture(scope="module")
+def ngram_engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048,
+                                  speculative_method="ngram", adaptive_speculation=False))
+
+
+def test_ngram_speculation_is_exact_on_default_model(engine, ngram_engine):
+    prompts = [chat_ids(engine, REWRITE), chat_ids(engine, QUESTIONS[2])]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    plain = engine.generate(prompts, params)
+    spec = ngram_engine.generate(prompts, params)
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids and a.text == b.text
+    t = spec[0].timings
+    assert t.num_drafted > 0 and t.num_accepted > 0  # a rewrite copies from its prompt
+    assert t.mean_accepted_length > 1.0
+
+
+def test_ngram_stop_string_identical_to_plain(engine, ngram_engine):
+    prompt = chat_ids(engine, REWRITE)
+    full = engine.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0))[0]
+    words = full.text.split()
+    for stop in (" " + words[4], words[9][:3], " " + words[12]):
+        params = SamplingParams(max_tokens=48, temperature=0.0, stop=[stop])
+        a = engine.generate([prompt], params)[0]
+        b = ngram_engine.generate([prompt], params)[0]
+        assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+        assert b.text == full.text[: full.text.index(stop)]
