@@ -51,11 +51,14 @@ class DraftModelProposer:
 
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> None:
         """Runs the draft over prefill chunks the target computes this step. ``chunks``: (seq,
-        end) pairs: the draft catches up on tokens [draft_num_computed, end). Tokens served from
-        the prefix cache are trusted to hold draft KV too (blocks are shared by both models)."""
+        end) pairs: the draft catches up on tokens [draft_num_computed, end). Prefix-cache hits
+        are NOT trusted for the draft: a cached block may have been filled by a request that did
+        not run the draft (speculation off or n-gram), so its draft KV could be stale. Rewriting
+        it is safe: the draft computes the same values for the same tokens at the same
+        positions, and the draft prefill costs a fraction of the target's."""
         work = []
         for seq, end in chunks:
-            start = max(seq.draft_num_computed, seq.num_cached_tokens)
+            start = seq.draft_num_computed
             if start < end:
                 work.append((seq, start, end))
         if not work:

@@ -87,7 +87,7 @@ class Speculator:
         chunks = [
             (s.seq, s.seq.num_computed_tokens + s.num_new_tokens)
             for s in batch.scheduled
-            if s.seq.spec_method == "draft" and s.num_lookahead == 0 and s.num_new_tokens > 1
+            if s.seq.spec_method == "draft" and s.num_lookahead == 0
         ]
         self.draft.prefill(chunks)
 

@@ -1,0 +1,137 @@
+"""Offline A/B of speculative decoding in one process: this engine with speculation off vs each
+proposer, on the same model, prompts, dtype and greedy settings. Writes a RESULTS.md section.
+
+    python benchmarks/ab.py [--model PATH] [--draft-model PATH] [--prompts rewrite]
+        [--new-tokens 96] [--k 4] [--batch-sizes 1,8] [--repeats 3] [--no-write]
+
+Modes are interleaved within each repeat (off, ngram, draft, off, ngram, ...), so machine noise
+hits every mode alike; each mode's figure is the median over repeats, and the ratio's spread is
+reported as the min..max of per-repeat ratios. Greedy outputs must be identical across modes:
+a mismatch is reported as a failure (exit code 1), never averaged away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from benchmarks.plain_decode import write_section  # noqa: E402
+from specserve.config import EngineConfig  # noqa: E402
+from specserve.engine import LLMEngine  # noqa: E402
+from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
+
+
+def run(engine, prompts, params, method, k):
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, SpeculativeParams(method=method, num_tokens=k))
+    dt = time.perf_counter() - t0
+    tokens = sum(o.num_output_tokens for o in outs)
+    drafted = sum(o.timings.num_drafted for o in outs)
+    accepted = sum(o.timings.num_accepted for o in outs)
+    steps = sum(o.timings.num_verify_steps for o in outs)
+    return {
+        "tok_s": tokens / dt,
+        "ids": [o.token_ids for o in outs],
+        "drafted": drafted,
+        "accepted": accepted,
+        "mean_accepted_len": (accepted + steps) / steps if steps else None,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompts", default="rewrite", help="benchmarks/prompts/<name>.json")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fixed-k", action="store_true", help="turn adaptive speculation off")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+
+    engine = LLMEngine(EngineConfig(
+        model=args.model, draft_model=args.draft_model, dtype=args.dtype,
+        adaptive_speculation=not args.fixed_k,
+    ))
+    texts = json.loads((ROOT / "prompts" / f"{args.prompts}.json").read_text())
+    chats = [engine.encode(engine.render_chat([{"role": "user", "content": t}])) for t in texts]
+    modes = ["off", "ngram"] + (["draft"] if args.draft_model else [])
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0)
+    engine.generate(chats[:1], SamplingParams(max_tokens=8))  # warm-up, not measured
+
+    table, failures = [], []
+    for bsz in [int(b) for b in args.batch_sizes.split(",")]:
+        prompts = [chats[i % len(chats)] for i in range(bsz)]
+        per_mode: dict[str, list[dict]] = {m: [] for m in modes}
+        for _ in range(args.repeats):
+            for m in modes:
+                per_mode[m].append(run(engine, prompts, params, m, args.k))
+        ref = per_mode["off"][0]["ids"]
+        for m in modes:
+            if any(r["ids"] != ref for r in per_mode[m]):
+                failures.append(f"batch {bsz}: {m} output differs from plain decoding")
+            base = [r["tok_s"] for r in per_mode["off"]]
+            ratios = [r["tok_s"] / b for r, b in zip(per_mode[m], base)]
+            last = per_mode[m][-1]
+            row = {
+                "batch": bsz, "mode": m,
+                "tok_s": statistics.median(r["tok_s"] for r in per_mode[m]),
+                "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "acceptance": last["accepted"] / last["drafted"] if last["drafted"] else None,
+                "mean_accepted_len": last["mean_accepted_len"],
+            }
+            table.append(row)
+            print(json.dumps(row), flush=True)
+
+    lines = ["| batch | mode | tok/s | vs off (median, min..max) | acceptance | "
+             "tokens per verify |", "|---|---|---|---|---|---|"]
+    for r in table:
+        acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        mal = f"{r['mean_accepted_len']:.2f}" if r["mean_accepted_len"] else "-"
+        lines.append(
+            f"| {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | {r['ratio']:.2f}x "
+            f"({r['ratio_min']:.2f}..{r['ratio_max']:.2f}) | {acc} | {mal} |"
+        )
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip()
+    section = "\n".join([
+        "## Speculative decoding: offline A/B",
+        "",
+        f"Model `{engine.model_path.split('/')[-1]}`"
+        + (f", draft `{args.draft_model}`" if args.draft_model else "")
+        + f", dtype {args.dtype}, greedy, {args.new_tokens} new tokens, prompts "
+        f"benchmarks/prompts/{args.prompts}.json, k_max {args.k}, adaptive k "
+        f"{not args.fixed_k}, {args.repeats} interleaved repeats. Machine: {platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}; commit {commit}. "
+        f"Outputs identical to plain decoding: {not failures}.",
+        "",
+        "Command: `python benchmarks/ab.py " + " ".join(sys.argv[1:]) + "`",
+        "",
+        *lines,
+        "",
+    ])
+    print(section)
+    for f in failures:
+        print("FAILURE:", f, file=sys.stderr)
+    if not args.no_write:
+        write_section(ROOT / "RESULTS.md", "## Speculative decoding: offline A/B", section)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
