@@ -87,7 +87,37 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine set-up")
     add_engine_args(gen)
+    add_serve_parser(sub)
     return parser
+
+
+def add_serve_parser(sub) -> None:
+    from specserve.server_config import ServerConfig
+
+    d = ServerConfig()
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP/SSE + WebSocket API")
+    group = srv.add_argument_group("server")
+    group.add_argument("--host", default=d.host, help=f"address to listen on [default: {d.host}]")
+    group.add_argument("--port", type=int, default=d.port, help=f"TCP port [default: {d.port}]")
+    group.add_argument("--api-key", default=d.api_key,
+                       help="require `Authorization: Bearer KEY` on /v1/* and /ws "
+                            "[default: None, no auth]")
+    group.add_argument("--max-queue-len", type=int, default=d.max_queue_len,
+                       help="sequences that may wait beyond --max-num-seqs before requests get "
+                            f"429 [default: {d.max_queue_len}]")
+    group.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                       help=f"larger request bodies get 413 [default: {d.max_body_bytes}]")
+    group.add_argument("--served-model-name", default=d.served_model_name,
+                       help="model name in the API [default: the --model value, or "
+                            "SmolLM2-135M-Instruct for the built-in model]")
+    group.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                       help="seconds SIGTERM waits for aborted streams to flush "
+                            f"[default: {d.shutdown_timeout}]")
+    group.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=d.warmup,
+                       help="run real short requests before /health reports ready "
+                            f"[default: {d.warmup}]")
+    srv.add_argument("-v", "--verbose", action="store_true", help="log engine set-up")
+    add_engine_args(srv)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -125,6 +155,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from specserve.async_engine import AsyncEngine
+    from specserve.engine import LLMEngine
+    from specserve.server import configure_logging, run_server
+    from specserve.server_config import ServerConfig
+
+    config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key, max_queue_len=args.max_queue_len,
+        max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
+        shutdown_timeout=args.shutdown_timeout, warmup=args.warmup,
+    )
+    engine_config = engine_config_from_args(args)
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:  # Windows: plain asyncio
+        pass
+    configure_logging()
+    engine = LLMEngine(engine_config)
+    run_server(AsyncEngine(engine, config.max_queue_len, config.warmup), config, args.model)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -135,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
     except (SpecServeError, msgspec.ValidationError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
