@@ -258,7 +258,7 @@ class LLMEngine:
                 t.num_verify_steps += 1
             if seq.timings.first_token is None:
                 seq.timings.first_token = t_sample
-            taken = state.append(tokens, logprobs)
+            state.append(tokens, logprobs)  # stops cut the tokens where plain decoding would
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             spec.after_verify(s, n_before, seq_drafts, accepted)
             if seq.is_finished:
@@ -270,7 +270,6 @@ class LLMEngine:
                 # past it go back to the pool now.
                 self.block_manager.truncate(seq, seq.num_tokens)
                 self.block_manager.commit_computed(seq)
-            del taken
             outputs.append(state.make_output())
         return outputs
 
