@@ -1,0 +1,391 @@
+"""AsyncEngine: drives the synchronous ``LLMEngine`` from one dedicated thread for asyncio callers.
+
+Threading contract (``LLMEngine`` is not thread-safe):
+  - only the engine thread calls ``add_request`` / ``step`` / ``abort`` / ``encode``; the event
+    loop hands it commands through a ``queue.Queue`` that it drains before every step;
+  - the engine thread hands results back with ``loop.call_soon_threadsafe``: one call per step
+    carrying every (request id, item) pair, where an item is a ``RequestOutput``, the
+    ``_ACCEPTED`` acknowledgement of an add, or the exception the add raised;
+  - the per-request stream registry lives on the event loop only, so no dict is shared.
+
+Invariant: every request the engine thread accepted gets exactly one finished output (done,
+aborted by a client, or aborted at shutdown); a consumer that stops early aborts its request, and
+the engine frees its KV blocks before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from specserve.engine import LLMEngine
+from specserve.errors import InvalidRequestError
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams, SpeculativeParams
+
+log = logging.getLogger(__name__)
+
+_ACCEPTED = object()  # item: the engine thread took the request
+_STOP = object()  # command: abort everything and leave the loop
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is warming up, shutting down or has failed (HTTP 503)."""
+
+
+class QueueFullError(RuntimeError):
+    """Admitting the request would exceed max_num_seqs + max_queue_len (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after each step (read by /health and /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    version: int = 0  # bumps on every publish
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    speculative: SpeculativeParams | None
+    clamp_max_tokens: bool
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; the last one has ``finished`` set.
+
+    Use it as ``async with stream:``; leaving the block (normally, by an exception or by task
+    cancellation) before the final output aborts the request.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            self.close()
+            raise item
+        assert isinstance(item, RequestOutput)
+        if item.finished:
+            self.finished = True
+            self.close()
+        return item
+
+    async def _accepted(self) -> None:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            self.close()
+            raise item
+        assert item is _ACCEPTED
+
+    def close(self) -> None:
+        """Idempotent; aborts the request in the engine if it has not finished."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._release(self.request_id, abort=not self.finished)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncEngine:
+    """Owns an ``LLMEngine`` and the one thread allowed to touch it."""
+
+    def __init__(self, engine: LLMEngine, max_queue_len: int = 256, warmup: bool = True) -> None:
+        self.engine = engine
+        self.max_model_len: int = engine.config.max_model_len or 0
+        self.capacity = engine.config.max_num_seqs + max_queue_len
+        self._do_warmup = warmup
+        self._commands: queue.Queue[Any] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}  # event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = False
+        self._accepting = True
+        self.error: BaseException | None = None
+        self.stats = EngineStats()
+
+    # ---- lifecycle (event loop) ---------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and self._accepting and self.error is None
+
+    @property
+    def state(self) -> str:
+        if self.error is not None:
+            return "failed"
+        if not self._accepting:
+            return "shutting_down"
+        return "ok" if self._ready else "warming_up"
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def start(self) -> None:
+        """Starts the engine thread (warm-up first, then the step loop). Call on the loop."""
+        assert self._thread is None, "start() twice"
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        async def poll() -> None:
+            while not self._ready:
+                if self.error is not None:
+                    raise EngineUnavailableError(f"engine failed: {self.error}")
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(poll(), timeout)
+
+    def begin_shutdown(self) -> None:
+        """Stops admitting and aborts every in-flight request (each stream gets a final output
+        with finish_reason "abort"). The thread keeps running until ``shutdown``."""
+        self._accepting = False
+        for rid in list(self._streams):
+            self._commands.put(("abort", rid))
+
+    async def shutdown(self) -> None:
+        """Aborts what is left, stops the thread and joins it. Idempotent."""
+        self.begin_shutdown()
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._commands.put(_STOP)
+            await asyncio.to_thread(thread.join)
+
+    # ---- requests (event loop) ----------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        speculative: SpeculativeParams | None = None,
+        *,
+        clamp_max_tokens: bool = False,
+    ) -> RequestStream:
+        """Submits a request and waits until the engine thread has accepted it.
+
+        Raises ``InvalidRequestError`` (bad prompt, prompt + max_tokens beyond the context window
+        unless ``clamp_max_tokens`` lowers max_tokens to fit), ``QueueFullError`` or
+        ``EngineUnavailableError``.
+        """
+        return (await self.add_requests([(request_id, prompt, params, speculative)],
+                                        clamp_max_tokens=clamp_max_tokens))[0]
+
+    async def add_requests(
+        self,
+        requests: list[tuple[str, str | list[int], SamplingParams, SpeculativeParams | None]],
+        *,
+        clamp_max_tokens: bool = False,
+    ) -> list[RequestStream]:
+        """Admits several requests all-or-nothing against the queue bound (n > 1, batched
+        prompts); if one is rejected the others are aborted and the error is raised."""
+        if not self.ready:
+            raise EngineUnavailableError(f"the engine is not ready ({self.state})")
+        if self.num_unfinished + len(requests) > self.capacity:
+            raise QueueFullError(
+                f"the server is at capacity ({self.num_unfinished} sequences in flight, limit "
+                f"{self.capacity}); retry later"
+            )
+        streams: list[RequestStream] = []
+        for rid, prompt, params, spec in requests:
+            if rid in self._streams:
+                for s in streams:
+                    s.close()
+                raise InvalidRequestError(f"request id {rid!r} is already running", param="id")
+            stream = RequestStream(self, rid)
+            self._streams[rid] = stream
+            streams.append(stream)
+            self._commands.put(("add", _Add(rid, prompt, params, spec, clamp_max_tokens)))
+        try:
+            for s in streams:
+                await s._accepted()
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        speculative: SpeculativeParams | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs until the finished one; closing early aborts it."""
+        stream = await self.add_request(request_id, prompt, params, speculative)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    def abort(self, request_id: str) -> None:
+        """Asks the engine to abort; the stream still receives the final "abort" output."""
+        if request_id in self._streams:
+            self._commands.put(("abort", request_id))
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        self._streams.pop(request_id, None)
+        if abort:
+            self._commands.put(("abort", request_id))
+
+    def _deliver(self, items: list[tuple[str, Any]]) -> None:
+        for rid, item in items:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream._queue.put_nowait(item)
+
+    def _set_ready(self) -> None:
+        self._ready = True
+
+    def _fail_all(self) -> None:
+        """The thread has exited: whoever still waits gets an error instead of hanging."""
+        reason = f"engine failed: {self.error!r}" if self.error else "the engine has stopped"
+        for stream in list(self._streams.values()):
+            stream._queue.put_nowait(EngineUnavailableError(reason))
+
+    # ---- the engine thread --------------------------------------------------------------
+
+    def _post(self, items: list[tuple[str, Any]]) -> None:
+        if items and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, items)
+
+    def _run(self) -> None:
+        try:
+            if self._do_warmup:
+                self._warmup()
+            self._publish_stats()
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._set_ready)
+            self._loop_body()
+        except BaseException as exc:  # a bug in the engine: fail every request, stay down
+            log.exception("engine thread failed")
+            self.error = exc
+        finally:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all)
+
+    def _loop_body(self) -> None:
+        engine = self.engine
+        stop = False
+        while not stop:
+            items: list[tuple[str, Any]] = []
+            block = not engine.has_unfinished()
+            while True:
+                try:
+                    cmd = self._commands.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                if cmd is _STOP:
+                    stop = True
+                    break
+                items.extend(self._apply(cmd))
+            if stop:
+                for rid in list(engine.requests):
+                    out = engine.abort(rid)
+                    if out is not None:
+                        items.append((rid, self._snapshot(out)))
+            elif engine.has_unfinished():
+                items.extend((o.request_id, self._snapshot(o)) for o in engine.step())
+            self._publish_stats()
+            self._post(items)
+
+    def _apply(self, cmd: tuple[str, Any]) -> list[tuple[str, Any]]:
+        kind, arg = cmd
+        if kind == "abort":
+            out = self.engine.abort(arg)
+            return [] if out is None else [(arg, self._snapshot(out))]
+        assert kind == "add"
+        try:
+            self._add(arg)
+        except Exception as exc:  # InvalidRequestError and friends go back to the caller
+            return [(arg.request_id, exc)]
+        return [(arg.request_id, _ACCEPTED)]
+
+    def _add(self, req: _Add) -> None:
+        engine = self.engine
+        ids = engine.encode(req.prompt)
+        limit = self.max_model_len
+        if ids and len(ids) < limit and len(ids) + req.params.max_tokens > limit:
+            if not req.clamp_max_tokens:
+                raise InvalidRequestError(
+                    f"prompt ({len(ids)} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
+                    f"the context window of {limit} tokens: lower max_tokens to at most "
+                    f"{limit - len(ids)} or shorten the prompt",
+                    param="max_tokens",
+                )
+            req.params.max_tokens = limit - len(ids)
+            req.params.min_tokens = min(req.params.min_tokens, req.params.max_tokens)
+        engine.add_request(req.request_id, ids, req.params, req.speculative)
+
+    @staticmethod
+    def _snapshot(out: RequestOutput) -> RequestOutput:
+        # The engine keeps mutating the request's timings object; hand the loop a copy.
+        out.timings = dataclasses.replace(out.timings)
+        return out
+
+    def _publish_stats(self) -> None:
+        e = self.engine
+        bm = e.block_manager
+        self.stats = EngineStats(
+            num_running=len(e.scheduler.running),
+            num_waiting=len(e.scheduler.waiting),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_blocks_cached=bm.num_cached_blocks,
+            prefix_query_tokens=bm.prefix_queries,
+            prefix_hit_tokens=bm.prefix_hits,
+            version=self.stats.version + 1,
+        )
+
+    def _warmup(self) -> None:
+        """Real forward passes of each step shape before traffic: a prefill alone, a prefill
+        mixed with a decode, plain decodes, and speculative verify steps if speculation is on."""
+        engine = self.engine
+        vocab = engine.model_config.vocab_size
+        n = max(1, min(8, self.max_model_len // 4))
+        prompt = [(5 + i) % vocab for i in range(n)]
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        spec_on = engine.config.default_speculative_method != "off"
+        engine.add_request("warmup-0", prompt, params, SpeculativeParams(method="off"))
+        engine.step()  # prefill only
+        engine.add_request("warmup-1", prompt[::-1], params, None)  # mixed prefill + decode
+        if spec_on:
+            engine.add_request("warmup-2", prompt * 2, params, None)
+        while engine.has_unfinished():
+            engine.step()
+        log.info("warm-up done (speculation %s)", "on" if spec_on else "off")

@@ -1,0 +1,506 @@
+"""The HTTP/WebSocket front door: an aiohttp app over one ``AsyncEngine``.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (``stream: true`` -> SSE ending with
+``data: [DONE]``), GET /v1/models, GET /ws (WebSocket streaming; protocol below and in the README),
+GET /health (503 until warm-up is done), GET /metrics (Prometheus text).
+
+Invariants: the event loop never runs a forward pass (the engine thread does); every admitted
+sequence is closed by the handler that admitted it (``finally``), so a client that goes away,
+a cancelled handler or an exception aborts its sequences and frees their KV blocks; every error
+reaches the client as ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from specserve import protocol as P
+from specserve.async_engine import (
+    AsyncEngine,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestStream,
+)
+from specserve.errors import InvalidRequestError
+from specserve.metrics import CONTENT_TYPE, ServerMetrics
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams, SpeculativeParams
+from specserve.server_config import ServerConfig
+
+log = structlog.get_logger("specserve.server")
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}
+_DONE = b"data: [DONE]\n\n"
+_enc = msgspec.json.Encoder()
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.info = status, P.ErrorInfo(message, type_, param, code)
+
+
+def error_of(exc: BaseException) -> tuple[int, P.ErrorInfo]:
+    """Maps any exception to (HTTP status, OpenAI error); unknown ones are 500."""
+    if isinstance(exc, ApiError):
+        return exc.status, exc.info
+    if isinstance(exc, InvalidRequestError):
+        return 400, P.ErrorInfo(exc.message, "invalid_request_error", exc.param)
+    if isinstance(exc, msgspec.ValidationError):
+        return 400, P.ErrorInfo(str(exc), "invalid_request_error", P.validation_param(str(exc)))
+    if isinstance(exc, msgspec.DecodeError):
+        return 400, P.ErrorInfo(f"the body is not valid JSON: {exc}", "invalid_request_error",
+                                code="invalid_json")
+    if isinstance(exc, QueueFullError):
+        return 429, P.ErrorInfo(str(exc), "rate_limit_error", code="queue_full")
+    if isinstance(exc, EngineUnavailableError):
+        return 503, P.ErrorInfo(str(exc), "service_unavailable", code="not_ready")
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return 413, P.ErrorInfo("the request body is too large (see --max-body-bytes)",
+                                "invalid_request_error", code="body_too_large")
+    if isinstance(exc, web.HTTPException):
+        return exc.status, P.ErrorInfo(exc.reason, "invalid_request_error")
+    return 500, P.ErrorInfo(f"internal error: {exc!r}", "internal_error")
+
+
+@dataclass
+class Job:
+    """One parsed API request: a sequence per (prompt, choice), numbered prompt-major."""
+
+    kind: str  # "completion" | "chat"
+    id: str
+    model: str
+    seqs: list[tuple[str | list[int], SamplingParams]]
+    spec: SpeculativeParams | None
+    clamp: bool
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Server:
+    """Per-app state (stored on the app, no globals): engine, config, metrics, open sockets."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, model: str | None) -> None:
+        self.engine, self.config = engine, config
+        self.model_name = config.model_name(model)
+        self.aliases = {self.model_name, *([model] if model else [])}
+        self.metrics = ServerMetrics(lambda: engine.stats, lambda: engine.num_unfinished)
+        self.websockets: set[web.WebSocketResponse] = set()
+        self.started = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            tok = self.engine.engine.tokenizer
+            text = tok.decode([token_id]) if tok is not None else str(token_id)
+            self._token_text[token_id] = text
+        return text
+
+    def parse(self, kind: str, body: bytes, stream: bool | None = None) -> Job:
+        """Decodes and validates a completions / chat body; raises 400/404-class errors."""
+        if kind == "chat":
+            chat = msgspec.json.decode(body, type=P.ChatCompletionRequest)
+            messages = P.chat_messages(chat)
+            try:
+                prompt: str | list[int] = self.engine.engine.render_chat(messages)
+            except InvalidRequestError:
+                raise
+            except Exception as exc:  # the model's template rejected the conversation
+                raise InvalidRequestError(f"chat template failed: {exc}", "messages") from exc
+            params, clamp = P.chat_params(chat, self.engine.max_model_len)
+            seqs = [(prompt, p) for p in params]
+            req: P._Common = chat
+            logprobs = chat.logprobs
+        elif kind == "completion":
+            comp = msgspec.json.decode(body, type=P.CompletionRequest)
+            params, clamp = P.completion_params(comp), False
+            seqs = [(prompt, p) for prompt in P.completion_prompts(comp) for p in params]
+            req, logprobs = comp, comp.logprobs is not None
+        else:
+            raise InvalidRequestError("kind must be completion or chat", param="kind")
+        if req.model is not None and req.model not in self.aliases:
+            raise ApiError(404, f"model {req.model!r} is not served here; this server serves "
+                           f"{self.model_name!r} (GET /v1/models)", "invalid_request_error",
+                           "model", "model_not_found")
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return Job(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name, seqs,
+                   P.speculative_params(req), clamp, req.stream if stream is None else stream,
+                   bool(req.stream_options and req.stream_options.include_usage), logprobs)
+
+    async def admit(self, job: Job) -> list[RequestStream]:
+        reqs = [(f"{job.id}-{i}", prompt, params, job.spec)
+                for i, (prompt, params) in enumerate(job.seqs)]
+        return await self.engine.add_requests(reqs, clamp_max_tokens=job.clamp)
+
+    async def outputs(
+        self, streams: list[RequestStream]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Merges the streams as (choice index, output), feeding the latency metrics; closing
+        it (or cancelling its consumer) aborts every unfinished stream."""
+        last = [time.perf_counter()] * len(streams)
+        pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in sorted(done, key=pending.__getitem__):
+                    i = pending.pop(fut)
+                    out = fut.result()
+                    now = time.perf_counter()
+                    if out.timings.ttft_ms is not None and len(out.token_ids) > len(
+                        out.new_token_ids
+                    ):
+                        self.metrics.observe_gap(now - last[i], len(out.new_token_ids))
+                    last[i] = now
+                    if out.finished:
+                        self.metrics.observe_finished(out)
+                    else:
+                        pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                    yield i, out
+        finally:
+            for fut in pending:
+                fut.cancel()
+            for s in streams:
+                s.close()
+
+
+APP_KEY = web.AppKey("specserve", Server)
+# The one log line's fields, filled by the handler, written by the middleware.
+LOG_KEY: Any = web.RequestKey("specserve_log", dict) if hasattr(web, "RequestKey") else "log"
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    return web.Response(body=_enc.encode(obj), status=status, content_type="application/json")
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + _enc.encode(obj) + b"\n\n"
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler) -> web.StreamResponse:
+    server = request.app[APP_KEY]
+    route = request.match_info.route.resource
+    endpoint = route.canonical if route is not None else "unmatched"
+    t0 = time.perf_counter()
+    try:
+        key = server.config.api_key
+        if key and (request.path.startswith("/v1/") or request.path == "/ws"):
+            if request.headers.get("Authorization", "") != f"Bearer {key}":
+                raise ApiError(401, "missing or wrong API key: send `Authorization: Bearer KEY`",
+                               "authentication_error", code="invalid_api_key")
+        resp = await handler(request)
+    except (asyncio.CancelledError, ConnectionResetError):
+        server.metrics.observe_request(endpoint, "disconnected")
+        raise
+    except Exception as exc:
+        status, info = error_of(exc)
+        if status >= 500 and not isinstance(exc, (EngineUnavailableError, ApiError)):
+            log.exception("request_failed", endpoint=endpoint)
+        resp = _json(P.ErrorResponse(info), status)
+        request[LOG_KEY] = {**request.get(LOG_KEY, {}), "error": info.message, "param": info.param}
+    server.metrics.observe_request(endpoint, resp.status)
+    if request.path.startswith("/v1/") and request.method == "POST":
+        log.info("request", endpoint=endpoint, status=resp.status,
+                 ms=round((time.perf_counter() - t0) * 1e3, 2), **request.get(LOG_KEY, {}))
+    return resp
+
+
+async def _body(request: web.Request) -> bytes:
+    limit = request.app[APP_KEY].config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    return await request.read()
+
+
+def _finish_log(request: web.Request, job: Job, outs: list[RequestOutput]) -> None:
+    usage = P.usage_of(outs)
+    request[LOG_KEY] = {"request_id": job.id, "finish_reasons": [o.finish_reason for o in outs],
+                      "prompt_tokens": usage.prompt_tokens,
+                      "completion_tokens": usage.completion_tokens,
+                      "timings": P.timings_of(outs)}
+
+
+async def _api(request: web.Request, kind: str) -> web.StreamResponse:
+    server = request.app[APP_KEY]
+    if not server.engine.ready:  # cheap early answer; add_requests checks again
+        raise EngineUnavailableError(f"the engine is not ready ({server.engine.state})")
+    job = server.parse(kind, await _body(request))
+    streams = await server.admit(job)
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    if not job.stream:
+        async for i, out in server.outputs(streams):
+            if out.finished:
+                finals[i] = out
+        outs = [o for o in finals if o is not None]
+        _finish_log(request, job, outs)
+        return _json(_response(server, job, outs))
+    resp = web.StreamResponse(headers=_SSE_HEADERS)
+    await resp.prepare(request)
+    sent_lp = [0] * len(streams)
+    sent_chars = [0] * len(streams)
+    try:
+        if kind == "chat":
+            for i in range(len(streams)):
+                await resp.write(_sse(_chat_chunk(job, i, P.ChatDelta("assistant", ""))))
+        async for i, out in server.outputs(streams):
+            lps = (out.logprobs or [])[sent_lp[i]:] if job.logprobs else []
+            if not (out.delta_text or out.finished or lps):
+                continue
+            sent_lp[i] += len(lps)
+            reason = out.finish_reason if out.finished else None
+            timings = P.timings_of([out]) if out.finished else None
+            if kind == "chat":
+                lp = P.chat_logprobs(lps, server.token_text) if job.logprobs else None
+                delta = P.ChatDelta(content=out.delta_text or None)
+                chunk: object = _chat_chunk(job, i, delta, lp, reason, timings)
+            else:
+                lp2 = (P.completion_logprobs(lps, server.token_text, sent_chars[i])
+                       if job.logprobs else None)
+                choice = P.CompletionChoice(i, out.delta_text, lp2, reason)
+                chunk = P.CompletionResponse(job.id, "text_completion", job.created, job.model,
+                                             [choice], timings=timings)
+            sent_chars[i] += len(out.delta_text)
+            await resp.write(_sse(chunk))
+            if out.finished:
+                finals[i] = out
+        outs = [o for o in finals if o is not None]
+        if job.include_usage:
+            usage, timings = P.usage_of(outs), P.timings_of(outs)
+            final: object = (_chat_chunk(job, None, None, usage=usage, timings=timings)
+                             if kind == "chat" else
+                             P.CompletionResponse(job.id, "text_completion", job.created,
+                                                  job.model, [], usage, timings))
+            await resp.write(_sse(final))
+        _finish_log(request, job, outs)
+    except EngineUnavailableError as exc:  # the engine died or stopped mid-stream
+        await resp.write(_sse(P.ErrorResponse(error_of(exc)[1])))
+    await resp.write(_DONE)
+    await resp.write_eof()
+    return resp
+
+
+def _chat_chunk(job: Job, index: int | None, delta: P.ChatDelta | None,
+                lp: P.ChatLogprobs | None = None, reason: str | None = None,
+                timings: dict | None = None, usage: P.UsageInfo | None = None) -> P.ChatChunk:
+    choices = [] if index is None or delta is None else [
+        P.ChatChunkChoice(index, delta, lp, reason)]
+    return P.ChatChunk(job.id, "chat.completion.chunk", job.created, job.model, choices, usage,
+                       timings)
+
+
+def _response(server: Server, job: Job, outs: list[RequestOutput]) -> object:
+    usage, timings = P.usage_of(outs), P.timings_of(outs)
+    text = server.token_text
+    if job.kind == "chat":
+        chat_choices = [
+            P.ChatChoice(i, P.ChatMessageOut("assistant", o.text),
+                         P.chat_logprobs(o.logprobs or [], text) if job.logprobs else None,
+                         o.finish_reason)
+            for i, o in enumerate(outs)]
+        return P.ChatResponse(job.id, "chat.completion", job.created, job.model, chat_choices,
+                              usage, timings)
+    choices = [
+        P.CompletionChoice(i, o.text,
+                           P.completion_logprobs(o.logprobs or [], text, 0) if job.logprobs
+                           else None, o.finish_reason)
+        for i, o in enumerate(outs)]
+    return P.CompletionResponse(job.id, "text_completion", job.created, job.model, choices,
+                                usage, timings)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _api(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _api(request, "chat")
+
+
+async def models(request: web.Request) -> web.Response:
+    s = request.app[APP_KEY]
+    card = P.ModelCard(s.model_name, "model", s.started, "specserve", s.engine.max_model_len)
+    return _json(P.ModelList("list", [card]))
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[APP_KEY].engine
+    st = engine.stats
+    body = {"status": engine.state, "kv_blocks_free": st.kv_blocks_free,
+            "kv_blocks_total": st.kv_blocks_total, "num_running": st.num_running,
+            "num_waiting": st.num_waiting, "num_in_flight": engine.num_unfinished}
+    return _json(body, 200 if engine.ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[APP_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def websocket_handler(request: web.Request) -> web.StreamResponse:
+    """WebSocket protocol (all messages JSON text frames, all tagged with the client's id):
+
+    client -> {"type": "request", "id": ID, "kind": "completion" | "chat", ...body fields}
+              {"type": "cancel", "id": ID}
+    server -> {"type": "token", "id", "text", "token_ids"}   (as tokens are accepted)
+              {"type": "done", "id", "finish_reason", "usage", "timings", "text"}
+              {"type": "error", "id", "error": {"message", "type", "param", "code"}}
+
+    Requests run concurrently; ``n`` must be 1 and ``stream`` is implied. A cancelled request
+    ends with a "done" event whose finish_reason is "abort". Closing the connection aborts all
+    of its requests.
+    """
+    server = request.app[APP_KEY]
+    if not server.engine.ready:
+        raise EngineUnavailableError(f"the engine is not ready ({server.engine.state})")
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=server.config.max_body_bytes)
+    await ws.prepare(request)
+    server.websockets.add(ws)
+    conn = uuid.uuid4().hex[:12]
+    tasks: dict[str, asyncio.Task] = {}
+    cancelled: set[str] = set()  # cancels that may arrive before their request is admitted
+    lock = asyncio.Lock()
+
+    async def send(obj: object) -> None:
+        if not ws.closed:
+            async with lock:
+                await ws.send_str(_enc.encode(obj).decode())
+
+    async def run(cid: str, kind: str, data: bytes) -> None:
+        status: int | str = 200
+        try:
+            job = server.parse(kind, data, stream=True)
+            if len(job.seqs) != 1:
+                raise InvalidRequestError("n must be 1 (and prompt a single one) over the "
+                                          "WebSocket; open one request per choice", param="n")
+            job.id = f"ws-{conn}-{cid}"
+            streams = await server.admit(job)
+            if cid in cancelled:
+                server.engine.abort(streams[0].request_id)
+            async for _, out in server.outputs(streams):
+                if out.delta_text or out.new_token_ids:
+                    await send(P.WsToken("token", cid, out.delta_text, out.new_token_ids))
+                if out.finished:
+                    await send(P.WsDone("done", cid, out.finish_reason, P.usage_of([out]),
+                                        P.timings_of([out]), out.text))
+                    log.info("request", endpoint="/ws", request_id=job.id, status=200,
+                             finish_reason=out.finish_reason,
+                             prompt_tokens=out.num_prompt_tokens,
+                             completion_tokens=out.num_output_tokens,
+                             timings=P.timings_of([out]))
+        except asyncio.CancelledError:
+            status = "disconnected"
+            raise
+        except Exception as exc:
+            status, info = error_of(exc)
+            await send(P.WsError("error", cid, info))
+        finally:
+            tasks.pop(cid, None)
+            cancelled.discard(cid)
+            server.metrics.observe_request(f"/ws:{kind}", status)
+
+    try:
+        async for msg in ws:
+            if msg.type not in (web.WSMsgType.TEXT, web.WSMsgType.BINARY):
+                break
+            data = msg.data.encode() if isinstance(msg.data, str) else msg.data
+            try:
+                env = msgspec.json.decode(data, type=P.WsEnvelope)
+                if env.id is None or env.id == "":
+                    raise InvalidRequestError("every message needs a non-empty id", param="id")
+            except Exception as exc:
+                await send(P.WsError("error", None, error_of(exc)[1]))
+                continue
+            cid = env.id
+            if env.type == "cancel":
+                if cid in tasks:
+                    cancelled.add(cid)
+                    server.engine.abort(f"ws-{conn}-{cid}-0")
+            elif env.type != "request":
+                await send(P.WsError("error", cid, P.ErrorInfo(
+                    f"unknown message type {env.type!r}: use request or cancel",
+                    "invalid_request_error", "type")))
+            elif cid in tasks:
+                await send(P.WsError("error", cid, P.ErrorInfo(
+                    f"id {cid!r} is already running on this connection",
+                    "invalid_request_error", "id")))
+            else:
+                tasks[cid] = asyncio.create_task(run(cid, env.kind, data))
+    finally:
+        pending = list(tasks.values())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        server.websockets.discard(ws)
+    return ws
+
+
+async def _on_startup(app: web.Application) -> None:
+    app[APP_KEY].engine.start()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    """SIGTERM / cleanup: refuse new work, abort in-flight sequences (their clients get a final
+    event with finish_reason "abort"), give the handlers time to write it, close sockets."""
+    server = app[APP_KEY]
+    server.engine.begin_shutdown()
+    deadline = time.monotonic() + server.config.shutdown_timeout
+    while server.engine.num_unfinished and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    for ws in list(server.websockets):
+        await ws.close(code=1001, message=b"server shutting down")
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    await app[APP_KEY].engine.shutdown()
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig, model: str | None = None
+               ) -> web.Application:
+    """The app; starting it (AppRunner / run_app) starts the engine thread and its warm-up.
+    ``model`` is the --model value, accepted as an alias of the served name."""
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_middleware])
+    app[APP_KEY] = Server(engine, config, model)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/ws", websocket_handler)
+    app.on_startup.append(_on_startup)
+    app.on_shutdown.append(_on_shutdown)
+    app.on_cleanup.append(_on_cleanup)
+    return app
+
+
+def configure_logging() -> None:
+    """structlog -> one JSON object per line on stdout (request lines; never per token)."""
+    structlog.configure(
+        processors=[structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    structlog.processors.JSONRenderer()],
+        logger_factory=structlog.PrintLoggerFactory(),
+        cache_logger_on_first_use=True,
+    )
+
+
+def run_server(engine: AsyncEngine, config: ServerConfig, model: str | None = None) -> None:
+    """Serves until SIGINT/SIGTERM, then shuts down cleanly (see ``_on_shutdown``) and returns.
+    The caller picks the event loop policy (uvloop in ``specserve serve``)."""
+    app = create_app(engine, config, model)
+    log.info("listening", host=config.host, port=config.port, model=app[APP_KEY].model_name)
+    web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
+                handler_cancellation=True, shutdown_timeout=config.shutdown_timeout)
+    log.info("stopped")
