@@ -170,8 +170,9 @@ class TorchPagedAttention:
         if bp is not None:
             keys = _gather(k_cache, bp.blocks)[..., : bp.key_len, :].to(q.dtype)  # [R, KVH, L, D]
             values = _gather(v_cache, bp.blocks)[..., : bp.key_len, :].to(q.dtype)
-            if bp.max_q == 1 and bp.tok.numel() == q.shape[0]:
-                q_pad = q[:, None]  # [R, 1, H, D]: decode-only step, rows are tokens in order
+            decode_only = bp.max_q == 1 and bp.tok.numel() == q.shape[0]
+            if decode_only:
+                q_pad = q[:, None]  # [R, 1, H, D]: rows are the tokens, in order
             else:
                 q_pad = q.new_zeros(bp.num_rows, bp.max_q, *q.shape[1:])  # [R, Q, H, D]
                 q_pad[bp.row_of, bp.off] = q[bp.tok]
@@ -179,6 +180,8 @@ class TorchPagedAttention:
                 q_pad.transpose(1, 2), keys, values, attn_mask=bp.mask, scale=scale,
                 enable_gqa=True,
             )  # [R, H, Q, D]
+            if decode_only:
+                return o[:, :, 0]  # [T, H, D], no scatter needed
             out[bp.tok] = o.transpose(1, 2)[bp.row_of, bp.off]
         return out
 
