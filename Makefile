@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make serve   # installs into .venv, then runs the engine on the built-in default model
+#   make serve   # installs into .venv, then serves the built-in default model on :8000
 #   make test    # installs into .venv, then runs the whole test suite
 PY ?= python3
 VENV ?= .venv
@@ -21,8 +21,11 @@ $(BIN)/specserve: pyproject.toml
 
 install: $(BIN)/specserve
 
-# Until the HTTP server lands (issue 4), `serve` runs one generation on the default model.
+# The OpenAI-compatible server on the built-in default model, http://127.0.0.1:8000
 serve: install
+	$(BIN)/specserve serve $(ARGS)
+
+generate: install
 	$(BIN)/specserve generate --chat "$(PROMPT)"
 
 test: install

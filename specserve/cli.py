@@ -50,7 +50,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, name)
         group.add_argument(
             "--" + name.replace("_", "-"), type=typ, default=default,
-            help=f"{help_text} [default: {default}]",
+            help=help_text if "(default" in help_text else f"{help_text} [default: {default}]",
         )
     group.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
