@@ -37,7 +37,7 @@ _ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "kv_cache_memory": ("bytes for the KV cache pool (default 2 GiB on CPU, 90%% of free GPU "
                         "memory)", int),
     "num_kv_blocks": ("exact number of KV blocks (overrides --kv-cache-memory)", int),
-    "attention_backend": ("auto | torch", str),
+    "attention_backend": ("auto | torch | sdpa | triton | flash_attn (auto: best available)", str),
     "seed": ("seed for requests that give none", int),
     "num_threads": ("torch CPU threads (default: torch's choice)", int),
 }

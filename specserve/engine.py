@@ -58,7 +58,9 @@ class LLMEngine:
                 self.model_config, self.draft_config, self.tokenizer, load_tokenizer(draft_path)
             )
         self._resolve_limits()
-        self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        self.attn_backend = get_attention_backend(
+            config.attention_backend, self.device, block_size=config.block_size
+        )
         self.runner = ModelRunner(
             self.model_config,
             model,
