@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.linear import linear
 from kernels.metadata import AttentionMetadata
 from kernels.norm import rms_norm
 from kernels.registry import AttentionBackend
@@ -66,7 +67,8 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
     ) -> torch.Tensor:  # [T, hidden]
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
@@ -76,7 +78,7 @@ class Attention(nn.Module):
         o = backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
         )  # [T, H, D]
-        return self.o_proj(o.reshape(T, self.q_size))
+        return linear(o.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -93,8 +95,9 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [T, 2I]
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -187,7 +190,7 @@ class CausalLM(nn.Module):
         """hidden: [N, hidden] (after the final norm) -> logits [N, vocab] float32, computed in
         the model dtype like transformers does."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``...) into the

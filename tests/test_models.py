@@ -226,3 +226,17 @@ def test_default_model_matches_transformers():
     ref = _hf_logits(hf, seq)[: len(seq) - 1]
     torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)
     assert ref[len(prompt) - 1:].argmax(-1).tolist() == seq[len(prompt):]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 32, 33, 100])
+def test_linear_dispatch_matches_float64(rows):
+    from kernels.linear import linear
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 48, generator=g)
+    w = torch.randn(80, 48, generator=g)
+    b = torch.randn(80, generator=g)
+    ref = x.double() @ w.double().T + b.double()
+    torch.testing.assert_close(linear(x, w, b).double(), ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(linear(x, w).double(), ref - b.double(), atol=1e-4, rtol=1e-5)
+    assert linear(x, w).is_contiguous()
