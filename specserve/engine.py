@@ -220,6 +220,9 @@ class LLMEngine:
         if batch.is_empty:
             return []
         t_start = time.perf_counter()
+        only_decode = all(s.seq.num_tokens - s.seq.num_computed_tokens == 1
+                          for s in batch.scheduled)
+        tokens_before = sum(s.seq.num_tokens for s in batch.scheduled)
         rows = {s.seq.seq_id: self._sample_request(s.seq) for s in batch.scheduled if s.samples}
         spec.draft_prefill(batch)
         drafts = spec.propose(batch, rows)
@@ -273,6 +276,12 @@ class LLMEngine:
                 self.block_manager.truncate(seq, seq.num_tokens)
                 self.block_manager.commit_computed(seq)
             outputs.append(state.make_output())
+        if only_decode:  # realized decode speed, speculative or not, for the policy's check
+            emitted = sum(s.seq.num_tokens for s in batch.scheduled) - tokens_before
+            spec.policy.record_decode_step(
+                len(batch.scheduled), emitted, time.perf_counter() - t_start,
+                speculated=any(drafts.tokens.values()),
+            )
         return outputs
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:

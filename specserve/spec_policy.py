@@ -11,15 +11,22 @@ time, while that still pays. In the memory-bound regime (small batches) ``c`` is
 extra token costs about as much as the token it might save and k falls to 0, so throughput never
 drops below plain decoding.
 
-Costs are fitted online (least squares over recent steps) from timings the engine reports, and
-seeded at warm-up. Acceptance ``a`` is tracked per sequence (accepted / examined drafts, with a
-prior from the method's global rate).
+Costs are fitted online (least squares over recent steps) from timings the engine reports.
+Acceptance ``a`` is tracked per sequence (accepted / examined drafts, with a prior from the
+method's global rate).
+
+The linear cost model cannot see every cliff of a real machine (on the dev CPU a matmul gets 2x
+dearer past 32 rows), so the model's choice is checked against what speculation really delivers:
+for each batch-size bucket the policy keeps the measured decode tokens per second of steps that
+speculated and of steps that did not, and speculates in that bucket only while the speculative
+rate is at least the plain one. Every ``_EXPLORE_EVERY``-th decision in a bucket tries the other
+mode, so both figures stay current.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -76,6 +83,36 @@ class Candidate:
     uses_draft_model: bool
 
 
+_EXPLORE_EVERY = 12
+_MIN_SAMPLES = 3
+
+
+@dataclass
+class _Rate:
+    """Exponential moving average of decode tokens per second over steps of one kind."""
+
+    value: float = 0.0
+    samples: int = 0
+
+    def add(self, tokens_per_s: float, alpha: float = 0.25) -> None:
+        self.value = tokens_per_s if self.samples == 0 else (
+            (1 - alpha) * self.value + alpha * tokens_per_s
+        )
+        self.samples += 1
+
+
+@dataclass
+class _BucketRates:
+    spec: _Rate = field(default_factory=_Rate)
+    plain: _Rate = field(default_factory=_Rate)
+    decisions: int = 0
+
+
+def _bucket(num_decoding: int) -> int:
+    """Power-of-two batch-size bucket: 1, 2, 4, 8, ..."""
+    return 1 << max(num_decoding - 1, 0).bit_length()
+
+
 class SpeculationPolicy:
     def __init__(self, adaptive: bool = True) -> None:
         self.adaptive = adaptive
@@ -84,6 +121,7 @@ class SpeculationPolicy:
         self.draft_cost = _LinearCost(fixed=0.01, per_unit=0.0005)
         self.global_stats: dict[str, AcceptanceStats] = {}
         self.seq_stats: dict[int, AcceptanceStats] = {}
+        self.buckets: dict[int, _BucketRates] = {}
 
     # ---- measurements -------------------------------------------------------------------
 
@@ -92,6 +130,15 @@ class SpeculationPolicy:
 
     def record_draft_step(self, num_seqs: int, seconds: float) -> None:
         self.draft_cost.add(num_seqs, seconds)
+
+    def record_decode_step(
+        self, num_decoding: int, tokens: int, seconds: float, speculated: bool
+    ) -> None:
+        """A step that only decoded (no prefill): its realized decode tokens per second."""
+        if num_decoding <= 0 or seconds <= 0:
+            return
+        rates = self.buckets.setdefault(_bucket(num_decoding), _BucketRates())
+        (rates.spec if speculated else rates.plain).add(tokens / seconds)
 
     def record_acceptance(self, seq_id: int, method: str, drafts: int, accepted: int) -> None:
         if drafts <= 0:
@@ -112,6 +159,20 @@ class SpeculationPolicy:
         """k per candidate key. ``num_other_tokens``: prefill tokens also in the step."""
         if not self.adaptive:
             return {c.key: c.k_max for c in candidates}
+        off = {c.key: 0 for c in candidates}
+        rates = self.buckets.setdefault(_bucket(len(candidates)), _BucketRates())
+        rates.decisions += 1
+        explore = rates.decisions % _EXPLORE_EVERY == 0
+        measured = min(rates.spec.samples, rates.plain.samples) >= _MIN_SAMPLES
+        if measured and rates.spec.value < rates.plain.value and not explore:
+            return off  # speculation measured slower at this batch size
+        if explore and (rates.plain.samples < rates.spec.samples or measured
+                        and rates.spec.value >= rates.plain.value):
+            return off  # refresh the plain figure
+        ks = self._model_choice(candidates, num_other_tokens)
+        return ks
+
+    def _model_choice(self, candidates: list[Candidate], num_other_tokens: int) -> dict[int, int]:
         n_base = num_other_tokens + len(candidates)
 
         def goodput(ks: dict[int, int]) -> float:

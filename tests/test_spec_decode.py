@@ -332,3 +332,24 @@ def test_random_stops_identical_with_and_without_speculation(text_model):
             cases += 1
     assert cases == 20
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+
+
+def test_policy_follows_measured_speed_per_batch_bucket():
+    """When speculative steps are measured slower than plain ones at a batch size, the policy
+    stops speculating there (but keeps exploring now and then); where faster, it speculates."""
+    policy = SpeculationPolicy()
+    for n in (1, 8, 16, 32):  # a cost model that would always speculate
+        policy.record_target(n, 0.050 + 0.0002 * n)
+        policy.record_draft_step(n, 0.001)
+    cands = [Candidate(i, 4, 0.8, False) for i in range(32)]
+    for _ in range(5):
+        policy.record_decode_step(32, 32, 0.10, speculated=False)  # 320 tok/s plain
+        policy.record_decode_step(32, 48, 0.20, speculated=True)  # 240 tok/s speculative
+    decisions = [sum(policy.choose(cands, 0).values()) for _ in range(24)]
+    assert sum(1 for d in decisions if d == 0) >= 22  # off, apart from rare exploration
+    single = [Candidate(0, 4, 0.8, False)]
+    for _ in range(5):
+        policy.record_decode_step(1, 1, 0.10, speculated=False)  # 10 tok/s plain
+        policy.record_decode_step(1, 2, 0.11, speculated=True)  # 18 tok/s speculative
+    decisions = [policy.choose(single, 0)[0] for _ in range(24)]
+    assert sum(1 for d in decisions if d > 0) >= 22
