@@ -215,11 +215,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """schedule -> (draft prefill, propose) -> one target forward -> verify -> post-process."""
         spec = self.speculator
+        t_start = time.perf_counter()  # the policy's own cost counts in the measured step
         spec.choose_k(self.scheduler.running, self.config.max_model_len)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        t_start = time.perf_counter()
         only_decode = all(s.seq.num_tokens - s.seq.num_computed_tokens == 1
                           for s in batch.scheduled)
         tokens_before = sum(s.seq.num_tokens for s in batch.scheduled)
