@@ -28,7 +28,7 @@ import torch
 
 from draft.base import Proposal
 from kernels.metadata import AttentionMetadata, token_positions
-from specserve.sampling import SampleRequest, process_logits
+from specserve.sampling import SampleRequest, sampling_probs
 from specserve.sequence import Sequence
 from target.model_runner import ModelRunner
 
@@ -138,14 +138,7 @@ class DraftModelProposer:
         sampled = [j for j, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             idx = torch.tensor(sampled)
-            params = [rows[j].params for j in sampled]
-            processed = process_logits(
-                logits[idx],
-                torch.tensor([p.temperature for p in params], dtype=logits.dtype),
-                torch.tensor([p.top_k for p in params], dtype=torch.int64),
-                torch.tensor([p.top_p for p in params], dtype=logits.dtype),
-            )
-            q_s = processed.softmax(dim=-1)
+            q_s = sampling_probs(logits[idx], [rows[j].params for j in sampled])
             q[idx] = q_s
             for n, j in enumerate(sampled):
                 gen = self._generator_for(seqs[j], rows[j])

@@ -66,6 +66,18 @@ def process_logits(
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [N, V] -> softmax(process_logits(...)) [N, V] with each row's own temperature,
+    top-k and top-p (rows must not be greedy)."""
+    processed = process_logits(
+        logits,
+        torch.tensor([p.temperature for p in params], dtype=logits.dtype),
+        torch.tensor([p.top_k for p in params], dtype=torch.int64),
+        torch.tensor([p.top_p for p in params], dtype=logits.dtype),
+    )
+    return processed.softmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,  # [N, V] float32 raw model logits
     rows: list[SampleRequest],
@@ -77,14 +89,7 @@ def sample(
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         idx = torch.tensor(sampled)
-        params = [rows[i].params for i in sampled]
-        processed = process_logits(
-            logits[idx],
-            torch.tensor([p.temperature for p in params], dtype=logits.dtype),
-            torch.tensor([p.top_k for p in params], dtype=torch.int64),
-            torch.tensor([p.top_p for p in params], dtype=logits.dtype),
-        )
-        probs = processed.softmax(dim=-1)  # [S, V]
+        probs = sampling_probs(logits[idx], [rows[i].params for i in sampled])  # [S, V]
         unseeded = [j for j, i in enumerate(sampled) if rows[i].generator is None]
         if unseeded:
             draws = torch.multinomial(probs[unseeded], 1, generator=default_generator)[:, 0]

@@ -144,10 +144,10 @@ def exact_second_token_distribution(hf, prompt, temperature):
     return first @ second
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
-def test_sampled_distribution_equals_target(models, method):
-    """The second token is produced by a verify step (k = 1 draft), so its distribution is the
-    rejection sampler's output; it must equal the target's exact marginal."""
+def second_token_counts(models, method: str, rounds: int):
+    """Samples (prompt -> 3 tokens) 250 x rounds times with k = 1 speculation; returns the
+    counts of the second token (the one a verify step produces), the exact float64 target
+    marginal of that token, and how many drafts were verified."""
     target, other, hf = models
     temperature = 1.5  # flatten the tiny model's distribution so many tokens occur
     # Every token id occurs in the prompt, so prompt lookup always has a match to propose.
@@ -159,14 +159,19 @@ def test_sampled_distribution_equals_target(models, method):
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
     counts = torch.zeros_like(expected)
     drafted = 0
-    n = 0
-    for _ in range(12):
-        outs = engine.generate([prompt] * 250, params, SpeculativeParams(method, 1))
-        for o in outs:
+    for _ in range(rounds):
+        for o in engine.generate([prompt] * 250, params, SpeculativeParams(method, 1)):
             counts[o.token_ids[1]] += 1
             drafted += o.timings.num_drafted
-        n += len(outs)
-    assert drafted > n / 2  # most second tokens really went through verification
+    return counts, expected, drafted
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_sampled_distribution_equals_target(models, method):
+    """The second token is produced by a verify step (k = 1 draft), so its distribution is the
+    rejection sampler's output; it must equal the target's exact marginal."""
+    counts, expected, drafted = second_token_counts(models, method, rounds=12)
+    assert drafted > counts.sum() / 2  # most second tokens really went through verification
     chi2, bound = chi_square(counts, expected)
     assert chi2 < bound, (chi2, bound)
 
@@ -201,18 +206,7 @@ def test_distribution_test_catches_a_broken_accept_rule(models, monkeypatch):
         return SpecDecodeResult(tokens, accepted, logprobs)
 
     monkeypatch.setattr(speculator_mod, "rejection_sample", accept_all)
-    target, other, hf = models
-    temperature = 1.5
-    prompt = torch.randperm(BASE["vocab_size"], generator=torch.Generator().manual_seed(0))
-    prompt = prompt.tolist()
-    expected = exact_second_token_distribution(hf, prompt, temperature)
-    engine = make(target, draft_model=other, max_num_seqs=256, max_num_batched_tokens=4096,
-                  num_kv_blocks=2000, seed=5)
-    params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
-    counts = torch.zeros_like(expected)
-    for _ in range(4):
-        for o in engine.generate([prompt] * 250, params, SpeculativeParams("draft", 1)):
-            counts[o.token_ids[1]] += 1
+    counts, expected, _ = second_token_counts(models, "draft", rounds=4)
     chi2, bound = chi_square(counts, expected)
     assert chi2 > bound, (chi2, bound)
 
