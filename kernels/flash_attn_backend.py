@@ -52,11 +52,7 @@ class FlashAttnPagedAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        key = (self.name,)
-        plan = meta.plan_cache.get(key)
-        if plan is None:
-            plan = meta.plan_cache[key] = self._plan(q, k_cache, meta)
-        has_padding, cu_seqlens_k = plan
+        has_padding, cu_seqlens_k = meta.plan((self.name,), lambda: self._plan(q, k_cache, meta))
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, has_padding)
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         q_lens = meta.query_lens_cpu

@@ -18,6 +18,7 @@ Worked example, block_size 4, two sequences:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,13 @@ class AttentionMetadata:
     # Per-step derived tensors a backend builds on the first layer and reuses in the others
     # (index maps, masks), keyed by the backend's choice (e.g. its name and the sliding window).
     plan_cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def plan(self, key: Any, build: Callable[[], Any]) -> Any:
+        """The per-step derived object for ``key``, built on the first layer's call only."""
+        value = self.plan_cache.get(key)
+        if value is None:
+            value = self.plan_cache[key] = build()
+        return value
 
     @property
     def num_seqs(self) -> int:

@@ -162,10 +162,7 @@ class SdpaPagedAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        key = (self.name, sliding_window)
-        plan = meta.plan_cache.get(key)
-        if plan is None:
-            plan = meta.plan_cache[key] = _build_plan(meta, sliding_window)
+        plan = meta.plan((self.name, sliding_window), lambda: _build_plan(meta, sliding_window))
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
         kvh = k_cache.shape[2]
         group = q.shape[1] // kvh

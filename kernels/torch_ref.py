@@ -152,10 +152,7 @@ class TorchPagedAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        key = (self.name, sliding_window)
-        plan = meta.plan_cache.get(key)
-        if plan is None:
-            plan = meta.plan_cache[key] = _build_plan(meta, sliding_window)
+        plan = meta.plan((self.name, sliding_window), lambda: _build_plan(meta, sliding_window))
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
         out = torch.empty_like(q)
         for seq in plan.long:

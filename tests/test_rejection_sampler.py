@@ -12,29 +12,9 @@ import torch
 from specserve.rejection_sampler import SpecDecodeRow, rejection_sample
 from specserve.sampling import SampleRequest, process_logits, sample
 from specserve.sampling_params import SamplingParams
+from tests.test_sampling import expected_distribution
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
-
-
-def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
-    """Float64 reference from the definitions: temperature, keep the k most likely, then the
-    smallest most-likely set whose probability reaches top_p; renormalize."""
-    p = torch.softmax(logits.double() / temperature, dim=-1)
-    order = torch.argsort(p, descending=True).tolist()
-    if top_k:
-        order = order[:top_k]
-    kept = torch.zeros_like(p)
-    kept[order] = p[order]
-    kept /= kept.sum()
-    support, mass = [], 0.0
-    for tok in order:
-        support.append(tok)
-        mass += float(kept[tok])
-        if mass >= top_p:
-            break
-    final = torch.zeros_like(p)
-    final[support] = kept[support]
-    return final / final.sum()
 
 
 def req(params: SamplingParams, generator=None, num_output=0, banned=()) -> SampleRequest:
