@@ -128,8 +128,11 @@ class Speculator:
     ) -> dict[int, tuple[list[int], int, list]]:
         """seq id -> (emitted tokens, number of accepted drafts, logprobs per emitted token)."""
         results: dict[int, tuple[list[int], int, list]] = {}
-        model_ids = [sid for sid in drafts.model_order if sid in logits]
-        other_ids = [sid for sid in logits if sid not in set(model_ids)]
+        # Every model-drafted sequence is decoding, so it samples: its draft-prob rows line up.
+        model_ids = drafts.model_order
+        assert all(sid in logits for sid in model_ids)
+        drafted = set(model_ids)
+        other_ids = [sid for sid in logits if sid not in drafted]
         for ids, probs in ((model_ids, drafts.model_probs), (other_ids, None)):
             if not ids:
                 continue
