@@ -39,6 +39,10 @@ class DraftModelProposer:
     def __init__(self, runner: ModelRunner, block_size: int, seed: int = 0) -> None:
         self.runner = runner
         self.block_size = block_size
+        # A distilled draft's reduced head scores only these token ids (None: the whole vocab).
+        ids = runner.model.head_token_ids
+        self.head_ids: torch.Tensor | None = None if ids is None else ids.cpu()
+        self.vocab_size = runner.model_config.vocab_size
         self.device = runner.device
         self.generator = torch.Generator().manual_seed(seed + 0x5EED)
         # Per-request draft RNGs for seeded requests, so their drafts are reproducible too.
@@ -131,7 +135,13 @@ class DraftModelProposer:
     def _sample(
         self, logits: torch.Tensor, rows: list[SampleRequest], seqs: list[Sequence]
     ) -> tuple[list[int], torch.Tensor]:
-        """logits [A, V] -> one draft token per row and its distribution q [A, V]."""
+        """logits [A, V] (or [A, Vd] from a reduced head) -> one draft token per row and its
+        distribution q [A, V]. Tokens outside a reduced head get q = 0: the draft never proposes
+        them, and the rejection sampler's residual max(0, p - q) covers them exactly."""
+        if self.head_ids is not None:
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            full[:, self.head_ids] = logits
+            logits = full
         tokens = logits.argmax(dim=-1)
         q = torch.zeros_like(logits)
         q[torch.arange(len(rows)), tokens] = 1.0  # greedy rows: one-hot (never read)

@@ -13,6 +13,7 @@ import time
 
 import msgspec
 
+from distill.cli import add_distill_parser, cmd_distill
 from specserve.config import EngineConfig
 from specserve.errors import SpecServeError
 
@@ -88,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine set-up")
     add_engine_args(gen)
     add_serve_parser(sub)
+    add_bench_parser(sub)
+    add_distill_parser(sub)
     return parser
 
 
@@ -181,6 +184,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser(
+        "bench", help="benchmarks: offline A/B, online load sweep, latency attribution",
+        description="Runs `python -m benchmarks MODE [flags]` from this source checkout. Modes: "
+                    "offline (A/B against transformers in one process), sweep (online load "
+                    "sweep against a live server), attribution (one request, phase by phase, "
+                    "and a Chrome trace). `specserve bench MODE --help` lists a mode's flags.",
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="MODE [flags]",
+                       help="offline | sweep | attribution, then that mode's flags")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Forwards to ``python -m benchmarks``: benchmarks/ belongs to the source tree, not to the
+    installed package, so it runs with the checkout on PYTHONPATH."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "__main__.py").is_file():
+        raise SpecServeError("specserve bench needs a source checkout (benchmarks/ beside "
+                             "specserve/): run it from a clone of the repository")
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "benchmarks", *args.bench_args]
+    return subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path}).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -193,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+        if args.command == "distill":
+            return cmd_distill(args)
     except (SpecServeError, msgspec.ValidationError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

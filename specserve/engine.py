@@ -28,6 +28,7 @@ from specserve.scheduler import ScheduledBatch, Scheduler
 from specserve.sequence import Sequence
 from specserve.speculator import Speculator
 from specserve.tokenizer import IncrementalDetokenizer, apply_chat_template
+from specserve.tracing import NullTracer, Tracer
 from target.loader import build_model, check_draft_compatible
 from target.model_runner import ModelRunner
 
@@ -42,6 +43,7 @@ class LLMEngine:
         from specserve.models import load_tokenizer, resolve_model_path
 
         self.config = config
+        self.tracer: Tracer | NullTracer = NullTracer()  # a Tracer records phase spans
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.resolve_device()
@@ -53,7 +55,9 @@ class LLMEngine:
         self.draft_config, draft_model = None, None
         if config.draft_model is not None:
             draft_path = resolve_model_path(config.draft_model)
-            self.draft_config, draft_model = build_model(draft_path, self.dtype, self.device)
+            self.draft_config, draft_model = build_model(
+                draft_path, self.dtype, self.device, shared_embeddings=model.embed_tokens.weight
+            )
             check_draft_compatible(
                 self.model_config, self.draft_config, self.tokenizer, load_tokenizer(draft_path)
             )
@@ -85,6 +89,9 @@ class LLMEngine:
                 attn_backend=self.attn_backend,
             )
             draft = DraftModelProposer(draft_runner, config.block_size, config.seed)
+            # One span per draft forward (each draft step) without touching the proposer.
+            draft_model.register_forward_pre_hook(lambda *_: self.tracer.begin("draft_forward"))
+            draft_model.register_forward_hook(lambda *_: self.tracer.end())
         self.speculator = Speculator(config, draft, self.generator)
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -140,11 +147,13 @@ class LLMEngine:
                 raise InvalidRequestError(
                     "this model has no tokenizer; pass the prompt as token ids", param="prompt"
                 )
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            with self.tracer.span("tokenize", chars=len(prompt)):
+                return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
     def render_chat(self, messages: list[dict]) -> str:
-        return apply_chat_template(self.tokenizer, messages)
+        with self.tracer.span("chat_template"):
+            return apply_chat_template(self.tokenizer, messages)
 
     def add_request(
         self,
@@ -214,25 +223,31 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> (draft prefill, propose) -> one target forward -> verify -> post-process."""
-        spec = self.speculator
+        spec, tr = self.speculator, self.tracer
         t_start = time.perf_counter()  # the policy's own cost counts in the measured step
-        spec.choose_k(self.scheduler.running, self.config.max_model_len)
-        batch = self.scheduler.schedule()
+        with tr.span("schedule"):
+            spec.choose_k(self.scheduler.running, self.config.max_model_len)
+            batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
         only_decode = all(s.seq.num_tokens - s.seq.num_computed_tokens == 1
                           for s in batch.scheduled)
         tokens_before = sum(s.seq.num_tokens for s in batch.scheduled)
         rows = {s.seq.seq_id: self._sample_request(s.seq) for s in batch.scheduled if s.samples}
-        spec.draft_prefill(batch)
-        drafts = spec.propose(batch, rows)
+        with tr.span("draft_prefill"):
+            spec.draft_prefill(batch)
+        with tr.span("propose"):
+            drafts = spec.propose(batch, rows)
         t_drafted = time.perf_counter()
-        input_ids, positions, meta, logits_idx, spans = self._prepare(batch, drafts.tokens)
-        logits, _ = self.runner.forward(input_ids, positions, meta, logits_idx)
+        num_drafts = sum(len(d) for d in drafts.tokens.values())
+        with tr.span("target_forward", only_decode=only_decode, drafts=num_drafts):
+            input_ids, positions, meta, logits_idx, spans = self._prepare(batch, drafts.tokens)
+            logits, _ = self.runner.forward(input_ids, positions, meta, logits_idx)
         t_model = time.perf_counter()
         spec.policy.record_target(meta.num_tokens, t_model - t_drafted)
         per_seq = {sid: logits[a:b] for sid, (a, b) in spans.items()}
-        results = spec.verify(per_seq, rows, drafts)
+        with tr.span("sample", drafts=num_drafts):  # rejection sampling of the drafts
+            results = spec.verify(per_seq, rows, drafts)
         t_sample = time.perf_counter()
 
         outputs: list[RequestOutput] = []
@@ -282,6 +297,9 @@ class LLMEngine:
                 len(batch.scheduled), emitted, time.perf_counter() - t_start,
                 speculated=any(drafts.tokens.values()),
             )
+        # Stop checks, detokenization, bookkeeping; then the whole step around every span.
+        tr.add("output", t_sample, time.perf_counter())
+        tr.add("step", t_start, time.perf_counter(), seqs=len(batch.scheduled))
         return outputs
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:

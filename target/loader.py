@@ -218,21 +218,50 @@ def resolve_dtype(
     return _DTYPES[dtype]
 
 
+# Distilled drafts (``specserve distill``) store the target token id of each row of their
+# reduced output head under this name, and may leave out the embeddings they share with the
+# target (config.json: "specserve_draft": {"embeddings": "target", ...}).
+HEAD_IDS_KEY = "specserve.head_token_ids"
+
+
 def build_model(
     path: str | os.PathLike[str],
     dtype: torch.dtype | str,
     device: torch.device | str,
+    shared_embeddings: torch.Tensor | None = None,
 ) -> tuple[ModelConfig, CausalLM]:
     """Loads ``path`` into our ``CausalLM`` in ``dtype`` on ``device`` (eval mode, no grads).
-    ``ModelConfig.eos_token_ids`` also holds the folder's generation_config.json EOS ids."""
+    ``ModelConfig.eos_token_ids`` also holds the folder's generation_config.json EOS ids.
+    ``shared_embeddings``: the target's embedding table, for drafts that share it."""
     hf_config, state_dict = load_weights(path)
     model_config = ModelConfig.from_hf(hf_config)
+    head_ids = state_dict.pop(HEAD_IDS_KEY, None)
+    if head_ids is not None and (
+        head_ids.dim() != 1 or int(head_ids.min()) < 0
+        or int(head_ids.max()) >= model_config.vocab_size
+    ):
+        raise ModelLoadError(f"{path}: {HEAD_IDS_KEY} must be token ids of the vocabulary")
+    draft_meta = getattr(hf_config, "specserve_draft", None) or {}
+    if draft_meta.get("embeddings") == "target":
+        want = (model_config.vocab_size, model_config.hidden_size)
+        if shared_embeddings is None:
+            raise ModelLoadError(
+                f"{path} is a distilled draft that shares its target's embeddings; load it as "
+                f"--draft-model next to its target"
+            )
+        if tuple(shared_embeddings.shape) != want:
+            raise ModelLoadError(
+                f"draft {path} was distilled for a target with a vocabulary of {want[0]} tokens "
+                f"and hidden size {want[1]}, this target has {tuple(shared_embeddings.shape)}; "
+                f"distill a draft for this target (`specserve distill`)"
+            )
+        state_dict["model.embed_tokens.weight"] = shared_embeddings
     extra_eos = _generation_eos_ids(Path(path))
     if extra_eos:
         merged = tuple(dict.fromkeys(model_config.eos_token_ids + extra_eos))
         model_config = dataclasses.replace(model_config, eos_token_ids=merged)
     torch_dtype = resolve_dtype(dtype, model_config, device)
-    model = CausalLM(model_config, dtype=torch_dtype, device="meta")
+    model = CausalLM(model_config, dtype=torch_dtype, device="meta", head_token_ids=head_ids)
     model.load_hf_state_dict(state_dict)
     del state_dict
     model.to(device).eval()

@@ -136,6 +136,7 @@ class CausalLM(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        head_token_ids: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -145,10 +146,15 @@ class CausalLM(nn.Module):
             DecoderLayer(config, i, **factory) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        # A reduced head (distilled drafts) scores only ``head_token_ids``: row i of its logits
+        # is token head_token_ids[i]; callers map rows back to token ids.
+        self.head_token_ids: torch.Tensor | None
+        self.register_buffer("head_token_ids", head_token_ids, persistent=False)
+        head_rows = config.vocab_size if head_token_ids is None else len(head_token_ids)
         self.lm_head = (
             None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
+            if config.tie_word_embeddings and head_token_ids is None
+            else nn.Linear(config.hidden_size, head_rows, bias=False, **factory)
         )
         rotary_device = "cpu" if device is None or torch.device(device).type == "meta" else device
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, rotary_device)
@@ -187,8 +193,8 @@ class CausalLM(nn.Module):
         return self.compute_logits(h), h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] (after the final norm) -> logits [N, vocab] float32, computed in
-        the model dtype like transformers does."""
+        """hidden: [N, hidden] (after the final norm) -> logits [N, vocab] float32 ([N, len(
+        head_token_ids)] for a reduced head), computed in the model dtype like transformers."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight).float()
 

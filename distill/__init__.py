@@ -1,0 +1,1 @@
+"""Draft distillation: prompt set, target-generated data, training, evaluation."""

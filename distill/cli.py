@@ -1,0 +1,129 @@
+"""`specserve distill` flags: train a draft (default), or measure one with --eval."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from distill.data import PROMPTS_FILE
+from distill.student import StudentSpec
+from distill.train import TrainConfig
+
+
+def add_distill_parser(sub: argparse._SubParsersAction) -> None:
+    s, t = StudentSpec(), TrainConfig()
+    p = sub.add_parser(
+        "distill",
+        help="distill a draft model for a target (same tokenizer), or --eval one",
+        description="Trains a small draft on the target's own outputs (KL to its next-token "
+                    "distribution) and writes OUT/draft, a folder for --draft-model. "
+                    "Interrupted runs resume. With --eval, measures a draft's acceptance.",
+    )
+    p.add_argument("--target", default=None,
+                   help="target model: HF folder, .gguf or hub id (default: built-in SmolLM2)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="work folder: teacher data, checkpoint, and the draft in OUT/draft")
+    p.add_argument("--prompts", type=Path, default=PROMPTS_FILE,
+                   help="prompt set JSON (id, category, split, prompt) [default: the repo's]")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="use the first N train prompts (seeded shuffle) [default: all]")
+    p.add_argument("--num-heldout", type=int, default=64,
+                   help="held-out prompts scored during training [default: 64]")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="longest target response generated per prompt [default: 256]")
+    p.add_argument("--gen-batch", type=int, default=64,
+                   help="sequences decoded together while generating data [default: 64]")
+    p.add_argument("--data-only", action="store_true", help="stop after the teacher data")
+    p.add_argument("--layers", type=int, default=s.num_layers,
+                   help=f"decoder layers in the draft [default: {s.num_layers}]")
+    p.add_argument("--init-layers", default=",".join(map(str, s.init_layers)),
+                   help="target layers copied into the draft, negative from the end "
+                        "[default: 0,-1]")
+    p.add_argument("--head-vocab", type=int, default=s.head_vocab_size,
+                   help=f"tokens the draft's head scores (most frequent in the target's output) "
+                        f"[default: {s.head_vocab_size}]")
+    p.add_argument("--steps", type=int, default=t.steps, help=f"[default: {t.steps}]")
+    p.add_argument("--lr", type=float, default=t.lr, help=f"peak learning rate [default: {t.lr}]")
+    p.add_argument("--batch-tokens", type=int, default=t.batch_tokens,
+                   help=f"padded tokens per batch [default: {t.batch_tokens}]")
+    p.add_argument("--max-len", type=int, default=t.max_len,
+                   help=f"longest training sequence [default: {t.max_len}]")
+    p.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every,
+                   help=f"steps between checkpoints [default: {t.checkpoint_every}]")
+    p.add_argument("--eval-every", type=int, default=t.eval_every,
+                   help=f"steps between held-out scores [default: {t.eval_every}]")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop training (with a checkpoint) after this many minutes")
+    p.add_argument("--seed", type=int, default=t.seed, help=f"[default: {t.seed}]")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    e = p.add_argument_group("evaluation (--eval)")
+    e.add_argument("--eval", action="store_true",
+                   help="measure --draft against --target on held-out prompts instead")
+    e.add_argument("--draft", default=None, help="draft folder to evaluate [default: OUT/draft]")
+    e.add_argument("--eval-prompts", type=int, default=32,
+                   help="held-out prompts decoded per setting [default: 32]")
+    e.add_argument("--eval-tokens", type=int, default=64,
+                   help="new tokens per prompt [default: 64]")
+    e.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="draft lengths [default: 1..8]")
+    e.add_argument("--temperatures", default="0,0.7", help="[default: 0,0.7]")
+    e.add_argument("--dtype", default="float32", help="engine dtype for --eval [default: float32]")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from specserve.errors import ConfigError
+
+    if args.eval:
+        from distill.evaluate import EvalConfig, run_eval
+
+        draft = args.draft or (str(args.out / "draft") if args.out else None)
+        if draft is None:
+            raise ConfigError("--eval needs --draft DIR (or --out DIR holding OUT/draft)")
+        report = run_eval(EvalConfig(
+            target=args.target, draft=draft, prompts=args.prompts,
+            num_prompts=args.eval_prompts, max_tokens=args.eval_tokens,
+            ks=_ints(args.ks, "--ks"), temperatures=_floats(args.temperatures),
+            dtype=args.dtype, num_threads=args.num_threads,
+        ))
+        print(report)
+        return 0
+
+    from distill.run import DistillConfig, run_distill
+
+    if args.out is None:
+        raise ConfigError("distill needs --out DIR (where data, checkpoint and draft go)")
+    cfg = DistillConfig(
+        out=args.out, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
+        num_heldout=args.num_heldout, max_new_tokens=args.max_new_tokens,
+        gen_batch=args.gen_batch, num_threads=args.num_threads, data_only=args.data_only,
+        student=StudentSpec(
+            num_layers=args.layers, init_layers=tuple(_ints(args.init_layers, "--init-layers")),
+            head_vocab_size=args.head_vocab,
+        ),
+        train=TrainConfig(
+            steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens, max_len=args.max_len,
+            checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+            max_minutes=args.max_minutes, seed=args.seed,
+        ),
+    )
+    out = run_distill(cfg)
+    print(f"draft written to {out}" if out else f"teacher data in {args.out / 'data'}")
+    return 0
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    from specserve.errors import ConfigError
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"{flag} takes comma-separated integers (got {text!r})") from exc
+
+
+def _floats(text: str) -> list[float]:
+    from specserve.errors import ConfigError
+
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"--temperatures takes comma-separated numbers (got {text!r})") from exc
