@@ -22,8 +22,10 @@ _ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "model": ("local HF folder, .gguf file or hub id (default: built-in SmolLM2-135M-Instruct)",
               str),
     "tokenizer": ("tokenizer folder/file (default: the model's own)", str),
-    "draft_model": ("draft model for speculative decoding (same tokenizer as the target)", str),
-    "speculative_method": ("draft | ngram | off (default: draft if --draft-model, else off)",
+    "draft_model": ("draft model for speculative decoding, same tokenizer as the target; "
+                    "'none' for no draft (default: the shipped distilled draft when the target "
+                    "is the built-in model)", str),
+    "speculative_method": ("draft | ngram | off (default: draft if a draft is loaded, else off)",
                            str),
     "num_speculative_tokens": ("k_max: most draft tokens verified per step (0-16)", int),
     "prompt_lookup_min": ("n-gram proposer: shortest n-gram to match", int),

@@ -1,0 +1,226 @@
+"""Streaming clients of the real API, measuring one request each: SSE over HTTP
+(``/v1/chat/completions`` or ``/v1/completions`` with ``stream_options.include_usage``) and the
+WebSocket protocol (``/ws``, many requests on one connection).
+
+Per request, client-side: TTFT (send -> first streamed text), ITL (gaps between streamed
+chunks), TPOT ((end - TTFT) / (tokens - 1)), end-to-end latency. Token counts come from the
+server's usage and are checked against the stream; any disagreement makes the request an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    error: str | None
+    start_s: float  # send time, seconds after the level started
+    ttft_s: float | None
+    e2e_s: float
+    itl_s: list[float]
+    tpot_s: float | None
+    output_tokens: int  # the server's usage.completion_tokens
+    streamed_tokens: int | None  # token ids streamed (WebSocket); SSE streams text only
+    chunks: int  # streamed events that carried text
+    finish_reason: str | None
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    sent_at: float = 0.0  # time.perf_counter() at send (same-process tracing lines up on it)
+    timings: dict = field(default_factory=dict)  # the server's per-phase timings
+
+
+
+@dataclass
+class Target:
+    """Where requests go and what they ask for."""
+
+    url: str
+    endpoint: str  # chat | completions
+    api_key: str | None
+    max_tokens: int
+    ignore_eos: bool
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, prompt: str, mode: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": 0.0,
+                                "ignore_eos": self.ignore_eos, "speculative": {"method": mode}}
+        if self.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        return body
+
+
+@dataclass
+class _Stream:
+    """What a client saw of one streamed request."""
+
+    t0: float
+    times: list[float] = field(default_factory=list)  # arrival of each chunk with text
+    streamed_tokens: int | None = None
+    text: str = ""
+    final_text: str | None = None
+    usage: dict | None = None
+    timings: dict | None = None
+    finish_reason: str | None = None
+    done: bool = False
+    error: str | None = None
+
+
+def _finish(s: _Stream, target: Target, start_s: float) -> RequestResult:
+    end = time.perf_counter()
+    n = int((s.usage or {}).get("completion_tokens", 0))
+    error = s.error or _check(s, target, n)
+    ttft = (s.times[0] if s.times else end) - s.t0
+    t = s.timings or {}
+    return RequestResult(
+        ok=error is None, error=error, start_s=start_s, ttft_s=ttft, e2e_s=end - s.t0,
+        itl_s=[b - a for a, b in zip(s.times, s.times[1:])],
+        tpot_s=(end - s.t0 - ttft) / (n - 1) if n > 1 else None, output_tokens=n,
+        streamed_tokens=s.streamed_tokens, chunks=len(s.times), finish_reason=s.finish_reason,
+        drafted=int(t.get("num_drafted", 0)), accepted=int(t.get("num_accepted", 0)),
+        verify_steps=int(t.get("num_verify_steps", 0)), sent_at=s.t0, timings=t,
+    )
+
+
+def _check(s: _Stream, target: Target, n: int) -> str | None:
+    """Token accounting: the usage must agree with what was streamed."""
+    if not s.done:
+        return "the stream ended before its final event"
+    if s.usage is None:
+        return "no usage in the stream"
+    if len(s.times) > n:
+        return f"{len(s.times)} text chunks but usage says {n} tokens"
+    if s.streamed_tokens is not None and s.streamed_tokens != n:
+        return f"{s.streamed_tokens} token ids streamed but usage says {n}"
+    if s.final_text is not None and s.final_text != s.text:
+        return "the streamed text differs from the final text"
+    if n > target.max_tokens or (target.ignore_eos and n != target.max_tokens):
+        return f"{n} tokens for max_tokens {target.max_tokens} (ignore_eos {target.ignore_eos})"
+    if s.finish_reason not in ("stop", "length"):
+        return f"finish_reason {s.finish_reason!r}"
+    return None
+
+
+async def sse_request(session: aiohttp.ClientSession, target: Target, prompt: str, mode: str,
+                      start_s: float = 0.0) -> RequestResult:
+    """One streamed request over HTTP (SSE), parsed line by line as it arrives."""
+    path = "/v1/chat/completions" if target.endpoint == "chat" else "/v1/completions"
+    body = {**target.body(prompt, mode), "stream": True,
+            "stream_options": {"include_usage": True}}
+    s = _Stream(time.perf_counter())
+    try:
+        async with session.post(target.url + path, json=body, headers=target.headers()) as resp:
+            if resp.status != 200:
+                s.error = f"HTTP {resp.status}: {one_line(await resp.text())}"
+                return _finish(s, target, start_s)
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    s.done = True
+                    break
+                _sse_event(s, json.loads(payload), target.endpoint)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        s.error = f"{type(exc).__name__}: {one_line(str(exc))}"
+    return _finish(s, target, start_s)
+
+
+def _sse_event(s: _Stream, obj: dict, endpoint: str) -> None:
+    if "error" in obj:
+        s.error = f"error event: {one_line(str(obj['error'].get('message')))}"
+        return
+    for choice in obj.get("choices") or []:
+        text = (choice.get("delta") or {}).get("content") if endpoint == "chat" else (
+            choice.get("text"))
+        if text:
+            s.times.append(time.perf_counter())
+            s.text += text
+        s.finish_reason = choice.get("finish_reason") or s.finish_reason
+    s.usage = obj.get("usage") or s.usage
+    s.timings = obj.get("timings") or s.timings
+
+
+class WsClient:
+    """Many concurrent requests multiplexed on one WebSocket (see specserve/ws.py)."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, target: Target) -> None:
+        self.ws, self.target = ws, target
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.reader = asyncio.ensure_future(self._read())
+        self._ids = 0
+
+    async def _read(self) -> None:
+        try:
+            async for msg in self.ws:
+                if msg.type != aiohttp.WSMsgType.TEXT:
+                    break
+                obj = json.loads(msg.data)
+                queue = self.queues.get(obj.get("id"))
+                if queue is not None:
+                    queue.put_nowait((time.perf_counter(), obj))
+        finally:
+            for queue in self.queues.values():
+                queue.put_nowait((time.perf_counter(), None))
+
+    async def request(self, prompt: str, mode: str, start_s: float = 0.0) -> RequestResult:
+        self._ids += 1
+        cid = f"r{self._ids}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[cid] = queue
+        s = _Stream(time.perf_counter(), streamed_tokens=0)
+        kind = "chat" if self.target.endpoint == "chat" else "completion"
+        try:
+            await self.ws.send_str(json.dumps({"type": "request", "id": cid, "kind": kind,
+                                               **self.target.body(prompt, mode)}))
+            while True:
+                t, obj = await queue.get()
+                if obj is None:
+                    s.error = "the WebSocket closed mid-request"
+                    break
+                if obj["type"] == "token":
+                    s.streamed_tokens = (s.streamed_tokens or 0) + len(obj["token_ids"])
+                    s.times.append(t)
+                    s.text += obj["text"]
+                elif obj["type"] == "done":
+                    s.done, s.usage, s.timings = True, obj["usage"], obj["timings"]
+                    s.finish_reason, s.final_text = obj["finish_reason"], obj["text"]
+                    break
+                else:
+                    s.error = f"error event: {one_line(str(obj['error'].get('message')))}"
+                    break
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            s.error = f"{type(exc).__name__}: {one_line(str(exc))}"
+        finally:
+            self.queues.pop(cid, None)
+        return _finish(s, self.target, start_s)
+
+    async def close(self) -> None:
+        await self.ws.close()
+        await self.reader
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())[:200]
+
+
+async def has_draft(session: aiohttp.ClientSession, target: Target) -> bool:
+    """Whether the server runs a draft model: a one-token request asking for it gets 200
+    (without one, 400)."""
+    path = "/v1/chat/completions" if target.endpoint == "chat" else "/v1/completions"
+    body = {**target.body("Hi", "draft"), "max_tokens": 1}
+    async with session.post(target.url + path, json=body, headers=target.headers()) as resp:
+        await resp.read()
+        return resp.status == 200

@@ -1,0 +1,157 @@
+"""What every benchmark mode shares at its edges: run metadata (machine, commit, command),
+workload prompt files, output folders, JSON files, markdown tables and the RESULTS.md section."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parent  # benchmarks/
+RESULTS_MD = ROOT / "RESULTS.md"
+
+
+class BenchError(Exception):
+    """A user-facing problem (bad flag, missing file, server that will not start): the CLI
+    prints it as one line and exits 2."""
+
+
+@dataclass
+class RunInfo:
+    machine: str
+    cpu: str
+    cpu_count: int
+    torch_threads: int
+    torch: str
+    transformers: str
+    gpu: str | None
+    python: str
+    commit: str
+    command: str
+    started: str
+
+    def describe(self) -> str:
+        gpu = f", GPU {self.gpu}" if self.gpu else ", no GPU"
+        return (f"{self.cpu} ({self.cpu_count} cores, {self.torch_threads} torch threads){gpu}, "
+                f"{self.machine}, Python {self.python}, torch {self.torch}, transformers "
+                f"{self.transformers}; commit {self.commit}")
+
+
+def run_info(argv: list[str]) -> RunInfo:
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return RunInfo(
+        machine=f"{platform.system()} {platform.machine()}", cpu=_cpu_name(),
+        cpu_count=os.cpu_count() or 0, torch_threads=torch.get_num_threads(),
+        torch=str(torch.__version__), transformers=str(transformers.__version__), gpu=gpu,
+        python=platform.python_version(), commit=_commit(),
+        command="python -m benchmarks " + shlex.join(argv),
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _commit() -> str:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    sha = git("rev-parse", "--short", "HEAD") or "unknown"
+    # Uncommitted changes make the numbers not reproducible from the hash alone: say so.
+    return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def load_workload(name: str) -> list[str]:
+    """Prompts of benchmarks/prompts/<name>.json, or of a JSON file path: a list of strings."""
+    path = Path(name) if name.endswith(".json") else ROOT / "prompts" / f"{name}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in (ROOT / "prompts").glob("*.json")))
+        raise BenchError(f"workload {name!r} not found ({path}); known: {known}")
+    try:
+        prompts = json.loads(path.read_text())
+    except ValueError as exc:
+        raise BenchError(f"{path} is not valid JSON: {exc}") from exc
+    if not (isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts)):
+        raise BenchError(f"{path} must hold a non-empty JSON list of prompt strings")
+    return prompts
+
+
+def parse_list(text: str, kind: type, flag: str) -> list:
+    """"1,4,16" -> [1, 4, 16]; "" -> []."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise BenchError(f"{flag} takes a comma-separated list of {kind.__name__}s "
+                         f"(got {text!r})") from exc
+
+
+def add_output_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--out", default=None,
+                    help="folder for JSON results and PNG plots [default: benchmarks/results/MODE]")
+    ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    ap.add_argument("--write-results", action="store_true",
+                    help="replace this mode's section of benchmarks/RESULTS.md")
+
+
+def out_dir(out: str | None, mode: str) -> Path:
+    path = Path(out) if out else ROOT / "results" / mode
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BenchError(f"cannot create the output folder {path}: {exc}") from exc
+    return path
+
+
+def write_json(path: Path, obj: object) -> None:
+    """Dataclasses / Structs to indented JSON (NaN and infinity become null)."""
+    raw = msgspec.json.encode(obj, enc_hook=_encode_other)
+    path.write_bytes(msgspec.json.format(raw, indent=2) + b"\n")
+
+
+def _encode_other(obj: object) -> object:
+    item = getattr(obj, "item", None)  # numpy scalars
+    if callable(item):
+        return item()
+    return str(obj)  # torch.dtype, TorchVersion, paths
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def write_results_section(heading: str, info: RunInfo, intro: str, body: list[str]) -> None:
+    """Replaces (or appends) the ``heading`` section of benchmarks/RESULTS.md."""
+    from benchmarks.plain_decode import write_section  # imports torch: only when writing
+
+    section = "\n".join([
+        heading, "", intro, "", f"Machine: {info.describe()}. Run started {info.started}.", "",
+        f"Command: `{info.command}`", "", *body, "",
+    ])
+    write_section(RESULTS_MD, heading, section)
