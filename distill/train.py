@@ -8,6 +8,7 @@ is a pure function of the seed, so a resumed run sees exactly the batches it wou
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -19,6 +20,8 @@ from tqdm import tqdm
 
 from distill.data import TeacherData
 from distill.student import Student
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,16 @@ def train(
         )
         tmp.rename(checkpoint)
 
+    # Small data sets overfit with many epochs: the weights with the lowest held-out KL are kept
+    # beside the checkpoint and are what the run returns.
+    best_file = checkpoint.with_name("best.pt")
+
+    def keep_if_best(m: Metrics) -> None:
+        previous = torch.load(best_file, weights_only=False)["kl"] if best_file.exists() else None
+        if previous is None or m.kl < previous:
+            trainable = {k: v for k, v in student.state_dict().items() if "embed_tokens" not in k}
+            torch.save({"student": trainable, "kl": m.kl, "step": step}, best_file)
+
     bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step", dynamic_ncols=True)
     student.train()
     try:
@@ -209,6 +222,7 @@ def train(
                 last_val = evaluate(student, val_batches)
                 bar.write(f"step {step}: held-out loss {last_val.loss:.4f} kl {last_val.kl:.4f} "
                           f"top-1 agreement {last_val.agree:.4f}")
+                keep_if_best(last_val)
             if cfg.max_minutes and time.monotonic() - started > cfg.max_minutes * 60:
                 bar.write(f"time budget of {cfg.max_minutes} min reached at step {step}")
                 break
@@ -217,4 +231,10 @@ def train(
         bar.close()
     if val_batches:
         last_val = evaluate(student, val_batches)
+        keep_if_best(last_val)
+        best = torch.load(best_file, weights_only=False)
+        if best["kl"] < last_val.kl:
+            student.load_state_dict(best["student"], strict=False)
+            last_val = evaluate(student, val_batches)
+            log.info("kept the weights of step %d (lowest held-out KL)", best["step"])
     return step, last_val

@@ -19,7 +19,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     model: str | None = None  # local HF folder, .gguf file, or hub id; None = built-in default
     tokenizer: str | None = None  # defaults to the model's own
-    draft_model: str | None = None  # small LM with the target's tokenizer, for method "draft"
+    # small LM with the target's tokenizer, for method "draft"; None: the shipped draft when the
+    # target is the built-in model; "none": no draft
+    draft_model: str | None = None
     speculative_method: str | None = None  # draft | ngram | off; None = draft if a draft is set
     num_speculative_tokens: int = 4  # k_max: the most draft tokens verified per step
     adaptive_speculation: bool = True  # choose k <= k_max per sequence and step from costs
@@ -47,8 +49,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(
                 f"speculative-method must be draft, ngram or off (got {self.speculative_method!r})"
             )
-        if self.speculative_method == "draft" and self.draft_model is None:
-            raise ConfigError("speculative-method draft needs --draft-model PATH")
+        if self.speculative_method == "draft" and self.draft_model == "none":
+            raise ConfigError("speculative-method draft needs a draft model (not --draft-model "
+                              "none)")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ConfigError(
                 f"num-speculative-tokens must be in [0, 16] (got {self.num_speculative_tokens})"
@@ -84,7 +87,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def default_speculative_method(self) -> str:
         if self.speculative_method is not None:
             return self.speculative_method
-        return "draft" if self.draft_model is not None else "off"
+        return "draft" if self.draft_model not in (None, "none") else "off"
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -40,8 +40,12 @@ _MAX_DEFAULT_CONTEXT = 8192
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from specserve.models import load_tokenizer, resolve_model_path
+        from specserve.models import load_tokenizer, resolve_draft, resolve_model_path
 
+        # Written back so every reader of the config sees the draft actually loaded.
+        config.draft_model = resolve_draft(config.model, config.draft_model)
+        if config.speculative_method == "draft" and config.draft_model is None:
+            raise ConfigError("speculative-method draft needs --draft-model PATH")
         self.config = config
         self.tracer: Tracer | NullTracer = NullTracer()  # a Tracer records phase spans
         if config.num_threads:

@@ -50,6 +50,23 @@ def default_model_path() -> str:
     return str(path)
 
 
+# The draft distilled for the built-in model (`specserve distill`, see its card), shipped in
+# the package: the default draft whenever the built-in model is the target.
+DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent / "drafts" / "smollm2-135m-instruct"
+
+
+def resolve_draft(model_spec: str | None, draft_spec: str | None) -> str | None:
+    """The draft to load: ``"none"`` -> no draft; ``None`` -> the shipped draft when the target
+    is the built-in model (else no draft); anything else -> that model."""
+    if draft_spec == "none":
+        return None
+    if draft_spec is None:
+        builtin = model_spec is None or model_spec == "default"
+        has_draft = (DEFAULT_DRAFT_DIR / "config.json").is_file()
+        return str(DEFAULT_DRAFT_DIR) if builtin and has_draft else None
+    return draft_spec
+
+
 def resolve_model_path(spec: str | None) -> str:
     """``None``/``"default"`` -> the built-in GGUF; an existing path -> itself; ``org/name``
     -> a local snapshot of that hub repo. Anything else raises ``ModelLoadError``."""

@@ -60,6 +60,33 @@ def test_greedy_matches_transformers_on_default_model(engine, hf_model):
     assert "Paris" in outs[0].text
 
 
+def test_shipped_draft_is_the_default_and_output_stays_exact(engine, hf_model):
+    """With no flags the built-in model speculates with the shipped distilled draft; greedy
+    output is still transformers' token for token, and the draft earns acceptances."""
+    from specserve.models import DEFAULT_DRAFT_DIR
+    from specserve.sampling_params import SpeculativeParams
+
+    assert engine.config.draft_model == str(DEFAULT_DRAFT_DIR)
+    assert engine.config.default_speculative_method == "draft"
+    fixed = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=256 << 20,
+                                   max_model_len=2048, adaptive_speculation=False))
+    prompts = [chat_ids(fixed, q) for q in QUESTIONS]
+    outs = fixed.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0),
+                          SpeculativeParams("draft", 4))
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)
+        ref_ids = ref[0, len(p):].tolist()
+        assert out.token_ids == ref_ids[: len(out.token_ids)]
+        assert len(out.token_ids) == len(ref_ids)
+    drafted = sum(o.timings.num_drafted for o in outs)
+    accepted = sum(o.timings.num_accepted for o in outs)
+    assert drafted > 0 and accepted / drafted > 0.2, (accepted, drafted)
+    off = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=256 << 20,
+                                 max_model_len=2048, draft_model="none"))
+    assert off.config.draft_model is None and off.config.default_speculative_method == "off"
+
+
 def test_stop_string_cuts_text_exactly(engine):
     prompt = chat_ids(engine, QUESTIONS[2])
     full = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]

@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig
 
 from distill.data import Prompt, TeacherData
+from distill.evaluate import EvalConfig, measure, run_eval
 from distill.run import DistillConfig, run_distill
 from distill.student import StudentSpec, build_student, choose_head_vocab, save_student
 from distill.train import TrainConfig, evaluate, head_lookup, make_batches
@@ -101,6 +102,19 @@ def test_distill_lowers_kl_and_writes_a_draft_that_loads(text_target, tmp_path):
     assert out.token_ids == hf_greedy(hf, prompt, 12)
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
 
+    # --eval measures acceptance through the engine and writes it into the card
+    cfg = EvalConfig(draft=str(draft_dir), target=str(target), prompts=prompts, num_prompts=2,
+                     max_tokens=8, ks=[1, 3], temperatures=[0.0, 0.7])
+    rows, cost = measure(cfg)
+    assert [(r.temperature, r.k) for r in rows] == [(0.0, 1), (0.0, 3), (0.7, 1), (0.7, 3)]
+    for r in rows:
+        assert 0.0 <= r.acceptance <= 1.0 and 1.0 <= r.mean_accepted_length <= r.k + 1
+        assert r.tokens == 2 * 8
+    assert 0 < cost < 2  # one draft layer vs two target layers, both tiny
+    table = run_eval(cfg)
+    assert "| 3 |" in table and table in (draft_dir / "README.md").read_text()
+    assert json.loads((draft_dir / "card.json").read_text())["acceptance"] == table
+
 
 def test_interrupted_training_resumes_to_the_same_weights(text_target, tmp_path):
     target, _, _ = text_target
@@ -184,3 +198,14 @@ def test_distill_cli_errors_are_one_line(capsys):
     assert "error: --eval needs --draft DIR" in capsys.readouterr().err
     assert cli_main(["distill", "--out", "x", "--init-layers", "a,b"]) == 2
     assert "--init-layers takes comma-separated integers" in capsys.readouterr().err
+
+
+def test_default_draft_resolution(tmp_path):
+    from specserve.models import DEFAULT_DRAFT_DIR, resolve_draft
+
+    assert (DEFAULT_DRAFT_DIR / "config.json").is_file()  # the distilled draft ships in the repo
+    assert resolve_draft(None, None) == str(DEFAULT_DRAFT_DIR)
+    assert resolve_draft("default", None) == str(DEFAULT_DRAFT_DIR)
+    assert resolve_draft(None, "none") is None
+    assert resolve_draft(str(tmp_path), None) is None  # another target: no default draft
+    assert resolve_draft(str(tmp_path), "x/y") == "x/y"
