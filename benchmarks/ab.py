@@ -60,12 +60,14 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fixed-k", action="store_true", help="turn adaptive speculation off")
+    ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
     engine = LLMEngine(EngineConfig(
-        model=args.model, draft_model=args.draft_model, dtype=args.dtype,
-        adaptive_speculation=not args.fixed_k,
+        model=args.model, dtype=args.dtype,
+        adaptive_speculation=not args.fixed_k, num_speculative_tokens=args.k,
+        num_threads=args.num_threads, draft_model=args.draft_model or "none",
     ))
     texts = json.loads((ROOT / "prompts" / f"{args.prompts}.json").read_text())
     chats = [engine.encode(engine.render_chat([{"role": "user", "content": t}])) for t in texts]

@@ -92,6 +92,8 @@ class DraftModelProposer:
         sequence, then position) and the seconds each draft step took."""
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        # All-greedy batches need only the argmax: no q (None means one-hot to the sampler).
+        greedy = all(r.params.greedy for r in rows)
         step_seconds: list[float] = []
         active = [i for i, k in enumerate(ks) if k > 0]
         step = 0
@@ -117,12 +119,17 @@ class DraftModelProposer:
                 torch.tensor(ids, device=self.device), positions.to(self.device), meta,
                 last.to(self.device),
             )  # [A, V]
-            tokens, q = self._sample(
-                logits.cpu(), [rows[i] for i in active], [seqs[i] for i in active]
-            )
+            if greedy:
+                best = logits.argmax(dim=-1).cpu()
+                tokens = (best if self.head_ids is None else self.head_ids[best]).tolist()
+            else:
+                tokens, q = self._sample(
+                    logits.cpu(), [rows[i] for i in active], [seqs[i] for i in active]
+                )
             for j, i in enumerate(active):
                 drafts[i].append(tokens[j])
-                probs[i].append(q[j])
+                if not greedy:
+                    probs[i].append(q[j])
                 if step == 0:
                     seqs[i].draft_num_computed = seqs[i].num_tokens
             step += 1
