@@ -46,16 +46,21 @@ def chat_ids(engine, question: str) -> list[int]:
     return engine.encode(engine.render_chat([{"role": "user", "content": question}]))
 
 
-def test_greedy_matches_transformers_on_default_model(engine, hf_model):
-    prompts = [chat_ids(engine, q) for q in QUESTIONS]
-    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+def assert_greedy_matches(hf_model, prompts, outs, n: int) -> None:
     for p, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)
+            ref = hf_model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)
         ref_ids = ref[0, len(p):].tolist()
         # HF stops after EOS too; compare up to and including its EOS.
         assert out.token_ids == ref_ids[: len(out.token_ids)]
         assert len(out.token_ids) == len(ref_ids)
+
+
+def test_greedy_matches_transformers_on_default_model(engine, hf_model):
+    prompts = [chat_ids(engine, q) for q in QUESTIONS]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    assert_greedy_matches(hf_model, prompts, outs, 24)
+    for out in outs:
         assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert "Paris" in outs[0].text
 
@@ -73,12 +78,7 @@ def test_shipped_draft_is_the_default_and_output_stays_exact(engine, hf_model):
     prompts = [chat_ids(fixed, q) for q in QUESTIONS]
     outs = fixed.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0),
                           SpeculativeParams("draft", 4))
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)
-        ref_ids = ref[0, len(p):].tolist()
-        assert out.token_ids == ref_ids[: len(out.token_ids)]
-        assert len(out.token_ids) == len(ref_ids)
+    assert_greedy_matches(hf_model, prompts, outs, 24)
     drafted = sum(o.timings.num_drafted for o in outs)
     accepted = sum(o.timings.num_accepted for o in outs)
     assert drafted > 0 and accepted / drafted > 0.2, (accepted, drafted)

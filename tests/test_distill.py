@@ -25,18 +25,15 @@ from tests.test_spec_decode import chi_square, exact_second_token_distribution, 
 
 
 @pytest.fixture(scope="module")
-def text_target(tmp_path_factory):
-    """A tiny random Llama that speaks the default model's tokenizer (chat template included)."""
-    from specserve.models import default_model_path, load_tokenizer
+def text_target(text_model):
+    """test_spec_decode's tiny random Llama with the default model's tokenizer (and its chat
+    template), plus the same weights in transformers for reference outputs."""
+    from transformers import AutoModelForCausalLM
 
-    path = tmp_path_factory.mktemp("distill_target")
-    tok = load_tokenizer(default_model_path())
-    cfg = LlamaConfig(**{**BASE, "vocab_size": len(tok), "hidden_size": 32,
-                         "intermediate_size": 64, "num_attention_heads": 4,
-                         "num_key_value_heads": 2, "max_position_embeddings": 512})
-    hf = build_model_dir(cfg, path)
-    tok.save_pretrained(path)
-    return path, hf, tok
+    hf = AutoModelForCausalLM.from_pretrained(text_model).float().eval()
+    hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    hf.generation_config.pad_token_id = 0
+    return Path(text_model), hf, None
 
 
 def write_prompts(path: Path) -> Path:

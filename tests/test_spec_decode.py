@@ -276,21 +276,6 @@ def test_long_random_workload_returns_every_block(models):
     assert not engine.requests
 
 
-@pytest.fixture(scope="module")
-def text_model(tmp_path_factory):
-    """A tiny random Llama that speaks the default model's tokenizer (so stop strings work)."""
-    from specserve.models import default_model_path, load_tokenizer
-
-    path = tmp_path_factory.mktemp("text_model")
-    tok = load_tokenizer(default_model_path())
-    cfg = LlamaConfig(**{**LONG, "vocab_size": len(tok), "hidden_size": 32,
-                         "intermediate_size": 64, "num_attention_heads": 4,
-                         "num_key_value_heads": 2})
-    build_model_dir(cfg, path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
 def test_random_stops_identical_with_and_without_speculation(text_model):
     """Self-draft: every verify step accepts k + 1 tokens, so stops land inside multi-token
     steps; text, token ids, finish reason and logprobs must be byte-identical to plain."""
