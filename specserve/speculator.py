@@ -82,12 +82,16 @@ class Speculator:
     # ---- after scheduling -----------------------------------------------------------------
 
     def draft_prefill(self, batch: ScheduledBatch) -> None:
+        """The draft runs beside the target's prompt chunks. Decode steps that do not draft
+        (k = 0) leave the draft behind on purpose: keeping it in step would cost a draft forward
+        per token for nothing when the policy has turned speculation off; the next proposal
+        catches up on every token the draft lacks (see DraftModelProposer)."""
         if self.draft is None:
             return
         chunks = [
             (s.seq, s.seq.num_computed_tokens + s.num_new_tokens)
             for s in batch.scheduled
-            if s.seq.spec_method == "draft" and s.num_lookahead == 0
+            if s.seq.spec_method == "draft" and s.num_lookahead == 0 and s.seq.is_prefill
         ]
         self.draft.prefill(chunks)
 
