@@ -31,8 +31,8 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:
                    help="held-out prompts scored during training [default: 64]")
     p.add_argument("--max-new-tokens", type=int, default=256,
                    help="longest target response generated per prompt [default: 256]")
-    p.add_argument("--gen-batch", type=int, default=64,
-                   help="sequences decoded together while generating data [default: 64]")
+    p.add_argument("--gen-batch", type=int, default=32,
+                   help="sequences decoded together while generating data [default: 32]")
     p.add_argument("--data-only", action="store_true", help="stop after the teacher data")
     p.add_argument("--layers", type=int, default=s.num_layers,
                    help=f"decoder layers in the draft [default: {s.num_layers}]")
