@@ -30,3 +30,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out += bias
         return out
     return F.linear(x, weight, bias)
+
+
+def skinny_row_limit(device: torch.device, dtype: torch.dtype) -> int | None:
+    """Rows up to which ``linear`` takes the cheaper weight-streaming path on this device and
+    dtype (None: there is no such path, and no cliff past it)."""
+    return _SKINNY_MAX_ROWS if device.type == "cpu" and dtype == torch.float32 else None

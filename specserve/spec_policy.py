@@ -114,8 +114,13 @@ def _bucket(num_decoding: int) -> int:
 
 
 class SpeculationPolicy:
-    def __init__(self, adaptive: bool = True) -> None:
+    def __init__(self, adaptive: bool = True, cheap_rows: int | None = None) -> None:
+        """``cheap_rows``: a step-size cliff the linear cost model cannot see (on CPU float32,
+        projections of up to this many rows take a weight-streaming path that is 2-3x cheaper
+        per row than the next size up; see kernels/linear.py). A step whose plain rows fit under
+        it is never pushed over it by drafts."""
         self.adaptive = adaptive
+        self.cheap_rows = cheap_rows
         # Priors until measured: a memory-bound CPU step (~tens of ms fixed, ~1 ms per token).
         self.target_cost = _LinearCost(fixed=0.05, per_unit=0.001)
         self.draft_cost = _LinearCost(fixed=0.01, per_unit=0.0005)
@@ -178,6 +183,8 @@ class SpeculationPolicy:
         def goodput(ks: dict[int, int]) -> float:
             gain = sum(expected_tokens(c.rate, ks[c.key]) for c in candidates)
             n_tok = n_base + sum(ks.values())
+            if self.cheap_rows is not None and n_base <= self.cheap_rows < n_tok:
+                return 0.0  # measured: crossing the cliff costs more than drafts return
             drafting = [c for c in candidates if c.uses_draft_model and ks[c.key] > 0]
             k_draft = max((ks[c.key] for c in drafting), default=0)
             draft = k_draft * self.draft_cost(len(drafting)) if drafting else 0.0

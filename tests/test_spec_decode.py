@@ -244,6 +244,25 @@ def test_policy_turns_speculation_off_when_compute_bound():
     assert ks[0] == 0
 
 
+def test_policy_never_pushes_a_step_over_the_row_cliff():
+    """Memory-bound costs that would draft long, but a cliff at 32 rows: a step whose plain rows
+    fit under it keeps its drafts under it too (32 decoders: none; 8: at most 24 drafts)."""
+    def policy() -> SpeculationPolicy:
+        p = SpeculationPolicy(cheap_rows=32)
+        for n in (1, 8, 16, 32):
+            p.record_target(n, 0.050 + 0.0002 * n)
+        return p
+
+    ks = policy().choose([Candidate(i, 4, 0.9, False) for i in range(32)], 0)
+    assert all(k == 0 for k in ks.values())
+    ks = policy().choose([Candidate(i, 4, 0.9, False) for i in range(8)], 0)
+    assert 0 < sum(ks.values()) <= 24
+    ks = policy().choose([Candidate(0, 4, 0.9, False)], 0)
+    assert ks[0] == 4  # one sequence: 5 rows, far from the cliff
+    ks = policy().choose([Candidate(i, 4, 0.9, False) for i in range(40)], 0)
+    assert sum(ks.values()) > 0  # already past the cliff: the linear model decides
+
+
 def test_expected_tokens():
     assert expected_tokens(1.0, 4) == 5
     assert expected_tokens(0.0, 4) == 1
