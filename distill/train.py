@@ -173,8 +173,9 @@ def train(
         step = state["step"]
     val_batches = make_batches(val_data, lookup, cfg, seed=cfg.seed) if len(val_data) else []
     last_val: Metrics | None = None
-    epoch, epoch_batches = -1, []
-    per_epoch = max(1, len(make_batches(train_data, lookup, cfg, seed=cfg.seed)))
+    # Epoch e's batches use seed + e; epoch 0's also fix how many steps an epoch has.
+    epoch, epoch_batches = 0, make_batches(train_data, lookup, cfg, seed=cfg.seed)
+    per_epoch = max(1, len(epoch_batches))
     started = time.monotonic()
 
     def save() -> None:
