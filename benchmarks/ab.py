@@ -32,9 +32,12 @@ from specserve.engine import LLMEngine  # noqa: E402
 from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 
 
-def run(engine, prompts, params, method, k):
+def run(engine, waves, params, method, k):
+    """Each wave is one closed batch, run to completion before the next; tok/s over them all."""
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params, SpeculativeParams(method=method, num_tokens=k))
+    outs = []
+    for prompts in waves:
+        outs += engine.generate(prompts, params, SpeculativeParams(method=method, num_tokens=k))
     dt = time.perf_counter() - t0
     tokens = sum(o.num_output_tokens for o in outs)
     drafted = sum(o.timings.num_drafted for o in outs)
@@ -77,11 +80,13 @@ def main() -> int:
 
     table, failures = [], []
     for bsz in [int(b) for b in args.batch_sizes.split(",")]:
-        prompts = [chats[i % len(chats)] for i in range(bsz)]
+        # Single stream: every prompt alone, one after another. A batch: one closed batch of
+        # bsz requests cycling through the prompts.
+        waves = [[c] for c in chats] if bsz == 1 else [[chats[i % len(chats)] for i in range(bsz)]]
         per_mode: dict[str, list[dict]] = {m: [] for m in modes}
         for _ in range(args.repeats):
             for m in modes:
-                per_mode[m].append(run(engine, prompts, params, m, args.k))
+                per_mode[m].append(run(engine, waves, params, m, args.k))
         ref = per_mode["off"][0]["ids"]
         for m in modes:
             if any(r["ids"] != ref for r in per_mode[m]):

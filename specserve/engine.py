@@ -239,7 +239,6 @@ class LLMEngine:
             return []
         only_decode = all(s.seq.num_tokens - s.seq.num_computed_tokens == 1
                           for s in batch.scheduled)
-        tokens_before = sum(s.seq.num_tokens for s in batch.scheduled)
         rows = {s.seq.seq_id: self._sample_request(s.seq) for s in batch.scheduled if s.samples}
         with tr.span("draft_prefill"):
             spec.draft_prefill(batch)
@@ -251,11 +250,12 @@ class LLMEngine:
             input_ids, positions, meta, logits_idx, spans = self._prepare(batch, drafts.tokens)
             logits, _ = self.runner.forward(input_ids, positions, meta, logits_idx)
         t_model = time.perf_counter()
-        spec.policy.record_target(meta.num_tokens, t_model - t_drafted)
         per_seq = {sid: logits[a:b] for sid, (a, b) in spans.items()}
         with tr.span("sample", drafts=num_drafts):  # rejection sampling of the drafts
             results = spec.verify(per_seq, rows, drafts)
         t_sample = time.perf_counter()
+        # The policy prices a step by the tokens fed: the forward plus scoring its rows.
+        spec.policy.record_target(meta.num_tokens, t_sample - t_drafted)
 
         outputs: list[RequestOutput] = []
         for s in batch.scheduled:
@@ -298,12 +298,6 @@ class LLMEngine:
                 self.block_manager.truncate(seq, seq.num_tokens)
                 self.block_manager.commit_computed(seq)
             outputs.append(state.make_output())
-        if only_decode:  # realized decode speed, speculative or not, for the policy's check
-            emitted = sum(s.seq.num_tokens for s in batch.scheduled) - tokens_before
-            spec.policy.record_decode_step(
-                len(batch.scheduled), emitted, time.perf_counter() - t_start,
-                speculated=any(drafts.tokens.values()),
-            )
         # Stop checks, detokenization, bookkeeping; then the whole step around every span.
         tr.add("output", t_sample, time.perf_counter())
         tr.add("step", t_start, time.perf_counter(), seqs=len(batch.scheduled))

@@ -1,34 +1,32 @@
 """Adaptive speculation length: choose each sequence's k for the next step from measured costs.
 
-Model. One step costs ``T = F + c * n_target + D(k_max)``: ``F`` the fixed cost of a target
-forward, ``c`` the cost per token in it (``n_target`` = every prefill token plus ``1 + k_i`` per
-decode sequence), and ``D`` the draft's cost, ``k_max`` sequential draft steps of
-``F_d + c_d * n_draft`` each. A sequence whose drafts are accepted independently with
-probability ``a`` yields ``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens per verify. The policy picks
-the k's that maximize the batch's goodput ``sum_i E_i(k_i) / T``, greedily, one draft token at a
-time, while that still pays. In the memory-bound regime (small batches) ``c`` is tiny next to
-``F`` and long drafts pay; once verification is compute-bound (``c * B`` dominates ``F``), every
-extra token costs about as much as the token it might save and k falls to 0, so throughput never
-drops below plain decoding.
+Model. A step that feeds the target ``n`` tokens (every prefill token plus ``1 + k_i`` per
+decoding sequence) costs ``T(n)``, plus the draft's cost when a draft model drafts: ``k_max``
+sequential draft steps of ``F_d + c_d * n_draft`` each. A sequence whose drafts are accepted
+independently with probability ``a`` yields ``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens per verify.
+The policy picks the k's that maximize the batch's goodput ``sum_i E_i(k_i) / T``, greedily, one
+draft token at a time, while that still pays. In the memory-bound regime (small batches) extra
+rows are nearly free and long drafts pay; once verification is compute-bound every extra token
+costs about as much as the token it might save and k falls to 0, so throughput never drops
+below plain decoding.
 
-Costs are fitted online (least squares over recent steps) from timings the engine reports.
-Acceptance ``a`` is tracked per sequence (accepted / examined drafts, with a prior from the
-method's global rate).
-
-The linear cost model cannot see every cliff of a real machine (on the dev CPU a matmul gets 2x
-dearer past 32 rows), so the model's choice is checked against what speculation really delivers:
-for each batch-size bucket the policy keeps the measured decode tokens per second of steps that
-speculated and of steps that did not, and speculates in that bucket only while the speculative
-rate is at least the plain one. Every ``_EXPLORE_EVERY``-th decision in a bucket tries the other
-mode, so both figures stay current.
+``T(n)`` is measured, not assumed: the median of the recent target forwards that fed exactly
+``n`` tokens, and a least-squares line over all recent forwards for counts not yet seen. A real
+machine's cost is not linear in ``n`` (on the dev CPU float32 a 5-row forward costs what a 1-row
+one does, and past 32 rows a matmul gets 2x dearer), so a line fitted across batch sizes would
+misprice exactly the choices that matter; the table does not. Acceptance ``a`` is tracked per
+sequence (accepted / examined drafts, with a prior from the method's global rate); a sequence
+the policy keeps at k = 0 drifts back to that prior, so it is tried again later.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
+
+_MIN_SAMPLES = 3  # measurements at one token count before the table trusts them
 
 
 class _LinearCost:
@@ -53,6 +51,28 @@ class _LinearCost:
         return self.fixed + self.per_unit * units
 
 
+class _StepCost:
+    """Seconds per target forward by tokens fed: the median of the last ``per_count``
+    measurements at that exact count once there are ``_MIN_SAMPLES``; else the linear fit."""
+
+    def __init__(self, fixed: float, per_unit: float, per_count: int = 9) -> None:
+        self.linear = _LinearCost(fixed, per_unit)
+        self.per_count = per_count
+        self.recent: dict[int, deque[float]] = {}
+        self.median: dict[int, float] = {}
+
+    def add(self, units: int, seconds: float) -> None:
+        self.linear.add(units, seconds)
+        window = self.recent.setdefault(units, deque(maxlen=self.per_count))
+        window.append(seconds)
+        if len(window) >= _MIN_SAMPLES:
+            self.median[units] = float(np.median(window))
+
+    def __call__(self, units: int) -> float:
+        measured = self.median.get(units)
+        return self.linear(units) if measured is None else measured
+
+
 @dataclass
 class AcceptanceStats:
     accepted: float = 0.0
@@ -60,6 +80,11 @@ class AcceptanceStats:
 
     def rate(self, prior: float, prior_weight: float = 4.0) -> float:
         return (self.accepted + prior * prior_weight) / (self.examined + prior_weight)
+
+    def relax(self, decay: float = 0.9) -> None:
+        """Fade the evidence (toward the prior) while the sequence is not drafting."""
+        self.accepted *= decay
+        self.examined *= decay
 
     def update(self, num_drafts: int, num_accepted: int, decay: float = 0.9) -> None:
         # Drafts are examined until the first rejection.
@@ -83,50 +108,19 @@ class Candidate:
     uses_draft_model: bool
 
 
-_EXPLORE_EVERY = 12
-_MIN_SAMPLES = 3
-
-
-@dataclass
-class _Rate:
-    """Exponential moving average of decode tokens per second over steps of one kind."""
-
-    value: float = 0.0
-    samples: int = 0
-
-    def add(self, tokens_per_s: float, alpha: float = 0.25) -> None:
-        self.value = tokens_per_s if self.samples == 0 else (
-            (1 - alpha) * self.value + alpha * tokens_per_s
-        )
-        self.samples += 1
-
-
-@dataclass
-class _BucketRates:
-    spec: _Rate = field(default_factory=_Rate)
-    plain: _Rate = field(default_factory=_Rate)
-    decisions: int = 0
-
-
-def _bucket(num_decoding: int) -> int:
-    """Power-of-two batch-size bucket: 1, 2, 4, 8, ..."""
-    return 1 << max(num_decoding - 1, 0).bit_length()
-
-
 class SpeculationPolicy:
     def __init__(self, adaptive: bool = True, cheap_rows: int | None = None) -> None:
-        """``cheap_rows``: a step-size cliff the linear cost model cannot see (on CPU float32,
-        projections of up to this many rows take a weight-streaming path that is 2-3x cheaper
-        per row than the next size up; see kernels/linear.py). A step whose plain rows fit under
-        it is never pushed over it by drafts."""
+        """``cheap_rows``: a known step-size cliff (on CPU float32, projections of up to this many
+        rows take a weight-streaming path that is 2-3x cheaper per row than the next size up;
+        see kernels/linear.py). A step whose plain rows fit under it is never pushed over it by
+        drafts, so the policy does not pay to measure counts past it."""
         self.adaptive = adaptive
         self.cheap_rows = cheap_rows
         # Priors until measured: a memory-bound CPU step (~tens of ms fixed, ~1 ms per token).
-        self.target_cost = _LinearCost(fixed=0.05, per_unit=0.001)
+        self.target_cost = _StepCost(fixed=0.05, per_unit=0.001)
         self.draft_cost = _LinearCost(fixed=0.01, per_unit=0.0005)
         self.global_stats: dict[str, AcceptanceStats] = {}
         self.seq_stats: dict[int, AcceptanceStats] = {}
-        self.buckets: dict[int, _BucketRates] = {}
 
     # ---- measurements -------------------------------------------------------------------
 
@@ -135,15 +129,6 @@ class SpeculationPolicy:
 
     def record_draft_step(self, num_seqs: int, seconds: float) -> None:
         self.draft_cost.add(num_seqs, seconds)
-
-    def record_decode_step(
-        self, num_decoding: int, tokens: int, seconds: float, speculated: bool
-    ) -> None:
-        """A step that only decoded (no prefill): its realized decode tokens per second."""
-        if num_decoding <= 0 or seconds <= 0:
-            return
-        rates = self.buckets.setdefault(_bucket(num_decoding), _BucketRates())
-        (rates.spec if speculated else rates.plain).add(tokens / seconds)
 
     def record_acceptance(self, seq_id: int, method: str, drafts: int, accepted: int) -> None:
         if drafts <= 0:
@@ -164,17 +149,10 @@ class SpeculationPolicy:
         """k per candidate key. ``num_other_tokens``: prefill tokens also in the step."""
         if not self.adaptive:
             return {c.key: c.k_max for c in candidates}
-        off = {c.key: 0 for c in candidates}
-        rates = self.buckets.setdefault(_bucket(len(candidates)), _BucketRates())
-        rates.decisions += 1
-        explore = rates.decisions % _EXPLORE_EVERY == 0
-        measured = min(rates.spec.samples, rates.plain.samples) >= _MIN_SAMPLES
-        if measured and rates.spec.value < rates.plain.value and not explore:
-            return off  # speculation measured slower at this batch size
-        if explore and (rates.plain.samples < rates.spec.samples or measured
-                        and rates.spec.value >= rates.plain.value):
-            return off  # refresh the plain figure
         ks = self._model_choice(candidates, num_other_tokens)
+        for c in candidates:
+            if ks[c.key] == 0 and c.key in self.seq_stats:
+                self.seq_stats[c.key].relax()
         return ks
 
     def _model_choice(self, candidates: list[Candidate], num_other_tokens: int) -> dict[int, int]:
@@ -188,7 +166,9 @@ class SpeculationPolicy:
             drafting = [c for c in candidates if c.uses_draft_model and ks[c.key] > 0]
             k_draft = max((ks[c.key] for c in drafting), default=0)
             draft = k_draft * self.draft_cost(len(drafting)) if drafting else 0.0
-            return gain / (self.target_cost(n_tok) + draft)
+            # More tokens never cost less: a noisy table must not make drafting look free.
+            target = max(self.target_cost(n_tok), self.target_cost(n_base))
+            return gain / (target + draft)
 
         # 1. The best common k (the draft's per-step cost is shared by every sequence, so one
         # sequence alone may not pay for a step that the whole batch does).

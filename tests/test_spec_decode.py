@@ -332,22 +332,41 @@ def test_random_stops_identical_with_and_without_speculation(text_model):
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
 
 
-def test_policy_follows_measured_speed_per_batch_bucket():
-    """When speculative steps are measured slower than plain ones at a batch size, the policy
-    stops speculating there (but keeps exploring now and then); where faster, it speculates."""
+def test_policy_prices_steps_from_measured_costs_per_token_count():
+    """A machine whose cost is flat up to 5 tokens and doubles past it (a line fitted through
+    those points would price 6-9 tokens between the two): one sequence with good acceptance
+    drafts exactly 4, the most that stays on the flat part; with costs flat all the way it
+    drafts its k_max of 8."""
+    def measured(cost) -> SpeculationPolicy:
+        policy = SpeculationPolicy()
+        for _ in range(5):
+            for n in range(1, 10):
+                policy.record_target(n, cost(n))
+        return policy
+
+    cand = [Candidate(0, 8, 0.7, False)]
+    assert measured(lambda n: 0.100 if n <= 5 else 0.200).choose(cand, 0)[0] == 4
+    assert measured(lambda n: 0.100).choose(cand, 0)[0] == 8
+    # Noise that makes a bigger step look cheaper than the plain one does not make a draft
+    # that is never accepted look free.
+    noisy = measured(lambda n: 0.100 if n == 1 else 0.095)
+    assert noisy.choose([Candidate(1, 8, 0.0, False)], 0)[1] == 0
+
+
+def test_policy_retries_a_sequence_it_stopped_speculating_for():
+    """A sequence whose drafts all failed gets k = 0; while it does not draft its evidence fades
+    toward the method's prior, so once the method does well elsewhere it is tried again."""
     policy = SpeculationPolicy()
-    for n in (1, 8, 16, 32):  # a cost model that would always speculate
-        policy.record_target(n, 0.050 + 0.0002 * n)
-        policy.record_draft_step(n, 0.001)
-    cands = [Candidate(i, 4, 0.8, False) for i in range(32)]
     for _ in range(5):
-        policy.record_decode_step(32, 32, 0.10, speculated=False)  # 320 tok/s plain
-        policy.record_decode_step(32, 48, 0.20, speculated=True)  # 240 tok/s speculative
-    decisions = [sum(policy.choose(cands, 0).values()) for _ in range(24)]
-    assert sum(1 for d in decisions if d == 0) >= 22  # off, apart from rare exploration
-    single = [Candidate(0, 4, 0.8, False)]
-    for _ in range(5):
-        policy.record_decode_step(1, 1, 0.10, speculated=False)  # 10 tok/s plain
-        policy.record_decode_step(1, 2, 0.11, speculated=True)  # 18 tok/s speculative
-    decisions = [policy.choose(single, 0)[0] for _ in range(24)]
-    assert sum(1 for d in decisions if d > 0) >= 22
+        for n in range(1, 6):
+            policy.record_target(n, 0.100 + 0.050 * n)  # a draft token costs a third of a step
+    for _ in range(10):
+        policy.record_acceptance(7, "ngram", 4, 0)
+    for other in range(20):  # other sequences accept most of their n-gram drafts
+        policy.record_acceptance(100 + other, "ngram", 4, 3)
+
+    def k_now() -> int:
+        return policy.choose([Candidate(7, 4, policy.acceptance_rate(7, "ngram"), False)], 0)[7]
+
+    ks = [k_now() for _ in range(40)]
+    assert ks[0] == 0 and ks[-1] > 0
