@@ -117,7 +117,7 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip()
     section = "\n".join([
-        "## Speculative decoding: offline A/B",
+        f"## Speculative decoding: offline A/B ({args.prompts} prompts)",
         "",
         f"Model `{engine.model_path.split('/')[-1]}`"
         + (f", draft `{args.draft_model}`" if args.draft_model else "")
@@ -136,7 +136,8 @@ def main() -> int:
     for f in failures:
         print("FAILURE:", f, file=sys.stderr)
     if not args.no_write:
-        write_section(ROOT / "RESULTS.md", "## Speculative decoding: offline A/B", section)
+        heading = f"## Speculative decoding: offline A/B ({args.prompts} prompts)"
+        write_section(ROOT / "RESULTS.md", heading, section)
     return 1 if failures else 0
 
 

@@ -393,3 +393,34 @@ def test_workload_files():
                for p in report.load_workload("code"))
     with pytest.raises(report.BenchError, match="not found"):
         report.load_workload("nope")
+
+
+def test_ngram_replay_counts_target_steps_exactly():
+    """The replay's step count against cases worked by hand: a rule that drafts the true
+    continuation takes ceil(L / (k + 1)) steps (the last step never drafts past the end), an
+    empty rule takes L, and an output that copies its prompt after one new token takes two
+    undrafted steps, then one step per k + 1 tokens."""
+    from benchmarks.ngram_replay import no_edit_fallback, replay
+
+    prompt, output = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17]
+    full = prompt + output
+
+    def oracle(tokens, k, min_n, max_n):
+        return np.asarray(full[len(tokens) : len(tokens) + k])
+
+    def empty(tokens, k, min_n, max_n):
+        return tokens[:0]
+
+    assert replay(prompt, output, 3, oracle, 1, 4) == math.ceil(7 / 4)
+    assert replay(prompt, output, 3, empty, 1, 4) == 7
+    # Steps 1 and 2 draft nothing (10 has no earlier copy, then 0 is new and so is the 10
+    # before it); from the known 1 on, each step copies k tokens and the target adds one.
+    from draft.ngram import find_ngram_draft
+
+    copy_out = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    for rule in (no_edit_fallback, find_ngram_draft):
+        assert replay(prompt, copy_out, 4, rule, 1, 4) == 2 + math.ceil(8 / 5)
+    # An edit (7 replaced by 70): only the fallback resumes the copy right after it.
+    edit_out = [0, 1, 2, 3, 4, 5, 6, 70, 8, 9]
+    assert replay(prompt, edit_out, 4, find_ngram_draft, 1, 4) < replay(
+        prompt, edit_out, 4, no_edit_fallback, 1, 4)

@@ -14,8 +14,8 @@ from draft.base import Proposal, ProposalRequest, Proposer
 from draft.ngram import NgramProposer, find_ngram_draft
 
 
-def reference_draft(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The rule written out with loops: longest n first, latest earlier copy, up to k tokens."""
+def reference_continuation(tokens: list[int], min_n: int, max_n: int) -> int | None:
+    """Longest n first, latest earlier copy: the index after the copy, written out with loops."""
     length = len(tokens)
     for n in range(max_n, min_n - 1, -1):
         if n > length - 1:
@@ -24,8 +24,20 @@ def reference_draft(tokens: list[int], k: int, min_n: int, max_n: int) -> list[i
         # Latest start s whose copy ends before the final position: s + n <= length - 1.
         for s in range(length - 1 - n, -1, -1):
             if tokens[s : s + n] == suffix:
-                return tokens[s + n : s + n + k]
-    return []
+                return s + n
+    return None
+
+
+def reference_draft(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The rule: up to k tokens after the copy; if the last token is new, after the copy of the
+    context before it, one token further on (an edit)."""
+    begin = reference_continuation(tokens, min_n, max_n)
+    if begin is None:
+        begin = reference_continuation(tokens[:-1], min_n, max_n)
+        if begin is None:
+            return []
+        begin += 1
+    return tokens[begin : begin + k]
 
 
 def propose_one(tokens: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
@@ -63,6 +75,17 @@ def test_module_docstring_example() -> None:
     assert propose_one([5, 1, 2, 3, 1, 2, 9, 1, 2], k=4, max_n=3) == [9, 1, 2]
 
 
+def test_module_docstring_edit_example() -> None:
+    assert propose_one([4, 5, 6, 7, 8, 4, 5, 9], k=3) == [7, 8, 4]
+
+
+def test_edit_fallback_only_when_the_last_token_is_new() -> None:
+    # 2 has an earlier copy: the plain rule applies, no skipping.
+    assert propose_one([1, 2, 3, 4, 1, 2], k=2) == [3, 4]
+    # 9 is new and so is the token before it: nothing to resume.
+    assert propose_one([1, 2, 3, 8, 9], k=2) == []
+
+
 def test_longest_n_wins_over_a_later_shorter_match() -> None:
     tokens = [1, 2, 3, 4, 3, 5, 1, 2, 3]
     # n = 3: [1, 2, 3] at s = 0, although [3] alone has a later copy at s = 4.
@@ -94,7 +117,8 @@ def test_no_match_is_empty() -> None:
     assert propose_one(list(range(50)), k=4) == []
     assert propose_one([], k=4) == []
     assert propose_one([9], k=4) == []
-    # Only a 1-gram matches, but min_n = 2.
+    # Only a 1-gram matches, but min_n = 2 (and the context before the last token has no 2-gram
+    # copy either).
     assert propose_one([1, 2, 3, 1], k=4, min_n=2) == []
     assert propose_one([1, 2, 3, 1], k=4, min_n=1) == [2, 3, 1]
 
