@@ -2,7 +2,11 @@
 proposer, on the same model, prompts, dtype and greedy settings. Writes a RESULTS.md section.
 
     python benchmarks/ab.py [--model PATH] [--draft-model PATH] [--prompts rewrite]
-        [--new-tokens 96] [--k 4] [--batch-sizes 1,8] [--repeats 3] [--no-write]
+        [--num-prompts N] [--new-tokens 96] [--k 4] [--batch-sizes 1,8] [--repeats 3]
+        [--fixed-k] [--num-threads N] [--no-write]
+
+Batch 1 runs every prompt alone, one after another; batch B runs one closed batch of B requests
+cycling through the prompts.
 
 Modes are interleaved within each repeat (off, ngram, draft, off, ngram, ...), so machine noise
 hits every mode alike; each mode's figure is the median over repeats, and the ratio's spread is
@@ -16,7 +20,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.plain_decode import write_section  # noqa: E402
+from benchmarks.plain_decode import results_section, write_section  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
 from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
@@ -58,6 +61,7 @@ def main() -> int:
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prompts", default="rewrite", help="benchmarks/prompts/<name>.json")
+    ap.add_argument("--num-prompts", type=int, default=None, help="the first N (default all)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--batch-sizes", default="1,8")
@@ -73,6 +77,7 @@ def main() -> int:
         num_threads=args.num_threads, draft_model=args.draft_model or "none",
     ))
     texts = json.loads((ROOT / "prompts" / f"{args.prompts}.json").read_text())
+    texts = texts[: args.num_prompts]
     chats = [engine.encode(engine.render_chat([{"role": "user", "content": t}])) for t in texts]
     modes = ["off", "ngram"] + (["draft"] if args.draft_model else [])
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0)
@@ -114,29 +119,22 @@ def main() -> int:
             f"| {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | {r['ratio']:.2f}x "
             f"({r['ratio_min']:.2f}..{r['ratio_max']:.2f}) | {acc} | {mal} |"
         )
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=ROOT).stdout.strip()
-    section = "\n".join([
-        f"## Speculative decoding: offline A/B ({args.prompts} prompts)",
-        "",
+    heading = f"## Speculative decoding: offline A/B ({args.prompts} prompts)"
+    section = results_section(
+        heading,
         f"Model `{engine.model_path.split('/')[-1]}`"
         + (f", draft `{args.draft_model}`" if args.draft_model else "")
         + f", dtype {args.dtype}, greedy, {args.new_tokens} new tokens, prompts "
-        f"benchmarks/prompts/{args.prompts}.json, k_max {args.k}, adaptive k "
-        f"{not args.fixed_k}, {args.repeats} interleaved repeats. Machine: {platform.machine()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}; commit {commit}. "
-        f"Outputs identical to plain decoding: {not failures}.",
-        "",
-        "Command: `python benchmarks/ab.py " + " ".join(sys.argv[1:]) + "`",
-        "",
-        *lines,
-        "",
-    ])
+        f"benchmarks/prompts/{args.prompts}.json ({len(texts)} prompts), k_max {args.k}, "
+        f"adaptive k {not args.fixed_k}, {args.repeats} interleaved repeats. "
+        f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}. Outputs identical to plain decoding: {not failures}.",
+        lines,
+    )
     print(section)
     for f in failures:
         print("FAILURE:", f, file=sys.stderr)
     if not args.no_write:
-        heading = f"## Speculative decoding: offline A/B ({args.prompts} prompts)"
         write_section(ROOT / "RESULTS.md", heading, section)
     return 1 if failures else 0
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.plain_decode import write_section  # noqa: E402
+from benchmarks.plain_decode import results_section, write_section  # noqa: E402
 from draft.ngram import _continuation, find_ngram_draft  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
@@ -84,20 +83,13 @@ def main() -> int:
             lines.append(f"| {name} | {total} | {label} | "
                          + " | ".join(f"{v:.2f}" for v in per_k) + " |")
             print(lines[-1], flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=ROOT).stdout.strip()
-    section = "\n".join([
+    section = results_section(
         "## N-gram proposer: tokens per target step (replay)",
-        "",
         f"Model `{engine.model_path.split('/')[-1]}`, greedy outputs of up to {args.new_tokens} "
         f"tokens per prompt, single stream, n from {max_n} down to {min_n}; exact counts, no "
-        f"timing (see the script's docstring). Commit {commit}.",
-        "",
-        "Command: `python benchmarks/ngram_replay.py " + " ".join(sys.argv[1:]) + "`",
-        "",
-        *lines,
-        "",
-    ])
+        f"timing (see the script's docstring).",
+        lines,
+    )
     print(section)
     if not args.no_write:
         write_section(ROOT / "RESULTS.md", "## N-gram proposer: tokens per target step", section)

@@ -124,30 +124,29 @@ def main() -> int:
             f"| {r['batch']} | {r['ours_tok_s']:.1f} | {hf_s} | {ratio} | "
             f"{r['ours_tok_s'] / base:.2f}x |"
         )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-    section = "\n".join(
-        [
-            "## Plain decode: specserve vs transformers",
-            "",
-            f"Model `{engine.model_path.split('/')[-1]}`, dtype {args.dtype}, "
-            f"{args.new_tokens} new tokens per sequence (EOS ignored), chat prompts from "
-            f"benchmarks/prompts/chat.json, median of {args.repeats} runs. Machine: "
-            f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}; "
-            f"commit {commit}. Greedy batch-1 tokens identical to transformers: "
-            f"{rows[0]['greedy_identical']}.",
-            "",
-            "Command: `python benchmarks/plain_decode.py " + " ".join(sys.argv[1:]) + "`",
-            "",
-            *lines,
-            "",
-        ]
+    section = results_section(
+        "## Plain decode: specserve vs transformers",
+        f"Model `{engine.model_path.split('/')[-1]}`, dtype {args.dtype}, "
+        f"{args.new_tokens} new tokens per sequence (EOS ignored), chat prompts from "
+        f"benchmarks/prompts/chat.json, median of {args.repeats} runs. Machine: "
+        f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}. "
+        f"Greedy batch-1 tokens identical to transformers: {rows[0]['greedy_identical']}.",
+        lines,
     )
     print(section)
     if not args.no_write:
         write_section(ROOT / "RESULTS.md", "## Plain decode", section)
     return 0 if rows[0]["greedy_identical"] is not False else 1
+
+
+def results_section(heading: str, about: str, table: list[str]) -> str:
+    """A RESULTS.md section: heading, what ran (the commit appended), the command, the table."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    command = " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    return "\n".join([heading, "", f"{about} Commit {commit}.", "", f"Command: `{command}`", "",
+                      *table, ""])
 
 
 def write_section(path: Path, heading: str, section: str) -> None:
