@@ -31,7 +31,7 @@ class DistillConfig:
     num_prompts: int | None = None  # first N train prompts (None: all)
     num_heldout: int = 64  # held-out prompts whose teacher data measures held-out KL
     max_new_tokens: int = 256
-    gen_batch: int = 32  # decoded together; past 32 rows CPU matmuls leave the fast path
+    gen_batch: int = 32  # sequences decoded together while making teacher data
     student: StudentSpec = field(default_factory=StudentSpec)
     train: TrainConfig = field(default_factory=TrainConfig)
     num_threads: int | None = None

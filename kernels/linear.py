@@ -3,9 +3,13 @@
 On CPU with few rows (decode, speculative verify, small batches), MKL's x @ W^T path for a
 skinny x is 2-3x slower than the same product computed as (W @ x^T)^T, which streams the weight
 once like a matrix-vector product. Measured on the 2-core dev CPU, SmolLM2-135M's 120 layer
-matmuls: M=5 rows 127 ms -> 61 ms, M=8 143 -> 74 ms, M=32 181 -> 106 ms, M=1 66 -> 61 ms; from
-~64 rows on, F.linear is faster again. So a 5-token verify costs about what a 1-token decode does,
-which is what speculative decoding needs. float32 only: for bf16 the plain path is faster.
+matmuls: M=5 rows 127 ms -> 61 ms, M=8 143 -> 74 ms, M=32 181 -> 106 ms, M=1 66 -> 61 ms. With
+every weight cold, as in a real forward (121 projections, F.linear -> this path): M=33 239 ->
+183 ms, 48 271 -> 197, 64 358 -> 259, 96 419 -> 362, 128 even (492 / 491), 192 638 <- 701, 512
+1429 <- 1784. So the path covers up to 128 rows: decode batches of 48 and 64 sequences measured
+~90 -> 123 and ~107 -> 143 tok/s against a 32-row limit. A 5-token verify costs about what a
+1-token decode does, which is what speculative decoding needs. float32 only: for bf16 the plain
+path is faster.
 
 Some row counts are dearer than the next one up: MKL streams the weight slower for a single
 column (a gemv) and for odd narrow widths. All 121 projections of SmolLM2-135M, cold, median of
@@ -20,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 # Largest row count that takes the weight-streaming path (see module docstring).
-_SKINNY_MAX_ROWS = 32
+_SKINNY_MAX_ROWS = 128
 # Row counts that run faster padded to the next even count (see module docstring).
 _PAD_TO = {1: 2, 3: 4, 7: 8}
 
@@ -44,7 +48,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def skinny_row_limit(device: torch.device, dtype: torch.dtype) -> int | None:
-    """Rows up to which ``linear`` takes the cheaper weight-streaming path on this device and
-    dtype (None: there is no such path, and no cliff past it)."""
-    return _SKINNY_MAX_ROWS if device.type == "cpu" and dtype == torch.float32 else None
+# Verify rows past which extra drafts measured not to pay on CPU float32: from 32 rows on every
+# row adds ~3.3 ms to a projection pass (all 121, cold), and n-gram speculation at 32 concurrent
+# sequences measured 0.84x plain when drafts could take a step to 128 rows, 1.00x when capped here
+# (benchmarks/ab.py, rewrite prompts).
+_CPU_VERIFY_ROW_BUDGET = 32
+
+
+def verify_row_budget(device: torch.device, dtype: torch.dtype) -> int | None:
+    """Rows a step whose plain rows fit under it may grow to with drafts (None: no cap known)."""
+    return _CPU_VERIFY_ROW_BUDGET if device.type == "cpu" and dtype == torch.float32 else None

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from draft.model_proposer import DraftModelProposer
-from kernels.linear import skinny_row_limit
+from kernels.linear import verify_row_budget
 from kernels.metadata import AttentionMetadata, token_positions
 from kernels.registry import get_attention_backend
 from specserve.block_manager import BlockManager
@@ -98,7 +98,7 @@ class LLMEngine:
             draft_model.register_forward_pre_hook(lambda *_: self.tracer.begin("draft_forward"))
             draft_model.register_forward_hook(lambda *_: self.tracer.end())
         self.speculator = Speculator(
-            config, draft, self.generator, skinny_row_limit(self.device, self.dtype)
+            config, draft, self.generator, verify_row_budget(self.device, self.dtype)
         )
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()

@@ -223,7 +223,7 @@ def test_default_model_matches_transformers():
     assert ref[len(prompt) - 1:].argmax(-1).tolist() == seq[len(prompt):]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 32, 33, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 32, 33, 100, 128, 129])
 def test_linear_dispatch_matches_float64(rows):
     from kernels.linear import linear
 
