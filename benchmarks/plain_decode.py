@@ -157,7 +157,8 @@ def write_section(path: Path, heading: str, section: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         end = text.find("\n## ", start + len(heading))
-        text = text[:start] + section + (text[end + 1 :] if end != -1 else "")
+        rest = text[end + 1 :] if end != -1 else ""
+        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
     path.write_text(text)
 
 
