@@ -7,9 +7,9 @@ matmuls: M=5 rows 127 ms -> 61 ms, M=8 143 -> 74 ms, M=32 181 -> 106 ms, M=1 66 
 every weight cold, as in a real forward (121 projections, F.linear -> this path): M=33 239 ->
 183 ms, 48 271 -> 197, 64 358 -> 259, 96 419 -> 362, 128 even (492 / 491), 192 638 <- 701, 512
 1429 <- 1784. So the path covers up to 128 rows: decode batches of 48 and 64 sequences measured
-~90 -> 123 and ~107 -> 143 tok/s against a 32-row limit. A 5-token verify costs about what a
-1-token decode does, which is what speculative decoding needs. float32 only: for bf16 the plain
-path is faster.
+~90 -> 123 and ~107 -> 143 tok/s against a 32-row limit. A 4-token verify costs ~1.06x a 1-token
+decode (5 tokens ~1.2x), which is what speculative decoding needs. float32 only: for bf16 the
+plain path is faster.
 
 Some row counts are dearer than the next one up: MKL streams the weight slower for a single
 column (a gemv) and for odd narrow widths. All 121 projections of SmolLM2-135M, cold, median of
@@ -50,7 +50,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # Verify rows past which extra drafts measured not to pay on CPU float32: from 32 rows on every
 # row adds ~3.3 ms to a projection pass (all 121, cold), and n-gram speculation at 32 concurrent
-# sequences measured 0.84x plain when drafts could take a step to 128 rows, 1.00x when capped here
+# sequences measured 0.84x plain when drafts could take a step to 128 rows, 0.96x when capped here
 # (benchmarks/ab.py, rewrite prompts).
 _CPU_VERIFY_ROW_BUDGET = 32
 

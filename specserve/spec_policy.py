@@ -58,7 +58,7 @@ class _StepCost:
     def __init__(self, fixed: float, per_unit: float, per_count: int = 9) -> None:
         self.linear = _LinearCost(fixed, per_unit)
         self.per_count = per_count
-        self.recent: dict[int, deque[float]] = {}
+        self.recent: dict[int, deque[float]] = {}  # one key per step size seen: bounded
         self.median: dict[int, float] = {}
 
     def add(self, units: int, seconds: float) -> None:
