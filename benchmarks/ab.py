@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.plain_decode import results_section, write_section  # noqa: E402
+from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
 from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
@@ -122,20 +119,20 @@ def main() -> int:
     heading = f"## Speculative decoding: offline A/B ({args.prompts} prompts)"
     section = results_section(
         heading,
+        run_info(sys.argv[1:], program="python benchmarks/ab.py"),
         f"Model `{engine.model_path.split('/')[-1]}`"
         + (f", draft `{args.draft_model}`" if args.draft_model else "")
         + f", dtype {args.dtype}, greedy, {args.new_tokens} new tokens, prompts "
         f"benchmarks/prompts/{args.prompts}.json ({len(texts)} prompts), k_max {args.k}, "
         f"adaptive k {not args.fixed_k}, {args.repeats} interleaved repeats. "
-        f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}. Outputs identical to plain decoding: {not failures}.",
+        f"Outputs identical to plain decoding: {not failures}.",
         lines,
     )
     print(section)
     for f in failures:
         print("FAILURE:", f, file=sys.stderr)
     if not args.no_write:
-        write_section(ROOT / "RESULTS.md", heading, section)
+        write_section(RESULTS_MD, heading, section)
     return 1 if failures else 0
 
 

@@ -287,7 +287,7 @@ def main() -> int:
     report = table(kernel_rows, cost_rows, decode_rows)
     failed = any("FAIL" in r for _, _, r in kernel_rows)
     if not args.no_write:
-        from benchmarks.plain_decode import write_section
+        from benchmarks.report import write_section
 
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, cwd=ROOT).stdout.strip()

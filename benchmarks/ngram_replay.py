@@ -25,8 +25,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.plain_decode import results_section, write_section  # noqa: E402
-from draft.ngram import _continuation, find_ngram_draft  # noqa: E402
+from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
+from draft.ngram import find_ngram_draft  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
 from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
@@ -34,8 +34,7 @@ from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa:
 
 def no_edit_fallback(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
     """The rule without the edit fallback: an empty draft when the last token is new."""
-    begin = _continuation(tokens, min_n, max_n)
-    return tokens[:0] if begin is None else tokens[begin : begin + k]
+    return find_ngram_draft(tokens, k, min_n, max_n, edit_fallback=False)
 
 
 def replay(prompt: list[int], output: list[int], k: int, rule, min_n: int, max_n: int) -> int:
@@ -85,6 +84,7 @@ def main() -> int:
             print(lines[-1], flush=True)
     section = results_section(
         "## N-gram proposer: tokens per target step (replay)",
+        run_info(sys.argv[1:], program="python benchmarks/ngram_replay.py"),
         f"Model `{engine.model_path.split('/')[-1]}`, greedy outputs of up to {args.new_tokens} "
         f"tokens per prompt, single stream, n from {max_n} down to {min_n}; exact counts, no "
         f"timing (see the script's docstring).",
@@ -92,7 +92,7 @@ def main() -> int:
     )
     print(section)
     if not args.no_write:
-        write_section(ROOT / "RESULTS.md", "## N-gram proposer: tokens per target step", section)
+        write_section(RESULTS_MD, "## N-gram proposer: tokens per target step", section)
     return 0
 
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
+from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
@@ -126,40 +125,17 @@ def main() -> int:
         )
     section = results_section(
         "## Plain decode: specserve vs transformers",
+        run_info(sys.argv[1:], program="python benchmarks/plain_decode.py"),
         f"Model `{engine.model_path.split('/')[-1]}`, dtype {args.dtype}, "
         f"{args.new_tokens} new tokens per sequence (EOS ignored), chat prompts from "
-        f"benchmarks/prompts/chat.json, median of {args.repeats} runs. Machine: "
-        f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}. "
+        f"benchmarks/prompts/chat.json, median of {args.repeats} runs. "
         f"Greedy batch-1 tokens identical to transformers: {rows[0]['greedy_identical']}.",
         lines,
     )
     print(section)
     if not args.no_write:
-        write_section(ROOT / "RESULTS.md", "## Plain decode", section)
+        write_section(RESULTS_MD, "## Plain decode", section)
     return 0 if rows[0]["greedy_identical"] is not False else 1
-
-
-def results_section(heading: str, about: str, table: list[str]) -> str:
-    """A RESULTS.md section: heading, what ran (the commit appended), the command, the table."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-    command = " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
-    return "\n".join([heading, "", f"{about} Commit {commit}.", "", f"Command: `{command}`", "",
-                      *table, ""])
-
-
-def write_section(path: Path, heading: str, section: str) -> None:
-    """Replaces the section starting at `heading` (up to the next '## ') or appends it."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n\n"
-    start = text.find(heading)
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(heading))
-        rest = text[end + 1 :] if end != -1 else ""
-        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
-    path.write_text(text)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ class RunInfo:
                 f"{self.transformers}; commit {self.commit}")
 
 
-def run_info(argv: list[str]) -> RunInfo:
+def run_info(argv: list[str], program: str = "python -m benchmarks") -> RunInfo:
     import torch
     import transformers
 
@@ -55,7 +55,7 @@ def run_info(argv: list[str]) -> RunInfo:
         cpu_count=os.cpu_count() or 0, torch_threads=torch.get_num_threads(),
         torch=str(torch.__version__), transformers=str(transformers.__version__), gpu=gpu,
         python=platform.python_version(), commit=_commit(),
-        command="python -m benchmarks " + shlex.join(argv),
+        command=f"{program} {shlex.join(argv)}".rstrip(),
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
 
@@ -146,12 +146,27 @@ def md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-def write_results_section(heading: str, info: RunInfo, intro: str, body: list[str]) -> None:
-    """Replaces (or appends) the ``heading`` section of benchmarks/RESULTS.md."""
-    from benchmarks.plain_decode import write_section  # imports torch: only when writing
-
-    section = "\n".join([
+def results_section(heading: str, info: RunInfo, intro: str, body: list[str]) -> str:
+    """A RESULTS.md section: heading, what ran, machine and commit, the command, the body."""
+    return "\n".join([
         heading, "", intro, "", f"Machine: {info.describe()}. Run started {info.started}.", "",
         f"Command: `{info.command}`", "", *body, "",
     ])
-    write_section(RESULTS_MD, heading, section)
+
+
+def write_results_section(heading: str, info: RunInfo, intro: str, body: list[str]) -> None:
+    """Replaces (or appends) the ``heading`` section of benchmarks/RESULTS.md."""
+    write_section(RESULTS_MD, heading, results_section(heading, info, intro, body))
+
+
+def write_section(path: Path, heading: str, section: str) -> None:
+    """Replaces the section starting at ``heading`` (up to the next '## ') or appends it."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n\n"
+    start = text.find(heading)
+    if start == -1:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + len(heading))
+        rest = text[end + 1 :] if end != -1 else ""
+        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
+    path.write_text(text)

@@ -60,18 +60,19 @@ def _continuation(tokens: np.ndarray, min_n: int, max_n: int) -> int | None:
     return None
 
 
-def find_ngram_draft(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
+def find_ngram_draft(
+    tokens: np.ndarray, k: int, min_n: int, max_n: int, edit_fallback: bool = True
+) -> np.ndarray:
     """The draft for one sequence (see the module docstring for the rule): up to ``k`` tokens.
 
     ``tokens``: [L] integer array. Returns a view into ``tokens`` (length 0..k).
+    ``edit_fallback=False`` gives the rule without the edit case (benchmarks compare the two).
     """
     begin = _continuation(tokens, min_n, max_n)
-    if begin is None:  # the last token is new: resume the copy one token past an edit
+    if begin is None and edit_fallback:  # the last token is new: resume past an edit
         begin = _continuation(tokens[:-1], min_n, max_n)
-        if begin is None:
-            return tokens[:0]
-        begin += 1
-    return tokens[begin : begin + k]
+        begin = None if begin is None else begin + 1
+    return tokens[:0] if begin is None else tokens[begin : begin + k]
 
 
 class NgramProposer:

@@ -109,13 +109,14 @@ class Candidate:
 
 
 class SpeculationPolicy:
-    def __init__(self, adaptive: bool = True, cheap_rows: int | None = None) -> None:
-        """``cheap_rows``: a step size past which extra verify rows are known not to pay on this
-        device (kernels.linear.verify_row_budget). A step whose plain rows fit under it is never
-        pushed over it by drafts; the cost table alone, pricing each of the many counts between
-        32 and 160 rows from few samples, let 32 concurrent sequences fall to 0.84x plain."""
+    def __init__(self, adaptive: bool = True, verify_row_budget: int | None = None) -> None:
+        """``verify_row_budget``: a step size past which extra verify rows are known not to pay
+        on this device (kernels.linear.verify_row_budget). A step whose plain rows fit under it
+        is never pushed over it by drafts; the cost table alone, pricing each of the many counts
+        between 32 and 160 rows from few samples, let 32 concurrent sequences fall to 0.84x
+        plain."""
         self.adaptive = adaptive
-        self.cheap_rows = cheap_rows
+        self.verify_row_budget = verify_row_budget
         # Priors until measured: a memory-bound CPU step (~tens of ms fixed, ~1 ms per token).
         self.target_cost = _StepCost(fixed=0.05, per_unit=0.001)
         self.draft_cost = _LinearCost(fixed=0.01, per_unit=0.0005)
@@ -157,17 +158,18 @@ class SpeculationPolicy:
 
     def _model_choice(self, candidates: list[Candidate], num_other_tokens: int) -> dict[int, int]:
         n_base = num_other_tokens + len(candidates)
+        plain = self.target_cost(n_base)
 
         def goodput(ks: dict[int, int]) -> float:
             gain = sum(expected_tokens(c.rate, ks[c.key]) for c in candidates)
             n_tok = n_base + sum(ks.values())
-            if self.cheap_rows is not None and n_base <= self.cheap_rows < n_tok:
+            if self.verify_row_budget is not None and n_base <= self.verify_row_budget < n_tok:
                 return 0.0  # measured: crossing the cliff costs more than drafts return
             drafting = [c for c in candidates if c.uses_draft_model and ks[c.key] > 0]
             k_draft = max((ks[c.key] for c in drafting), default=0)
             draft = k_draft * self.draft_cost(len(drafting)) if drafting else 0.0
             # More tokens never cost less: a noisy table must not make drafting look free.
-            target = max(self.target_cost(n_tok), self.target_cost(n_base))
+            target = max(self.target_cost(n_tok), plain)
             return gain / (target + draft)
 
         # 1. The best common k (the draft's per-step cost is shared by every sequence, so one

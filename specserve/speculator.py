@@ -41,13 +41,13 @@ class Drafts:
 class Speculator:
     def __init__(
         self, config: EngineConfig, draft: DraftModelProposer | None, generator: torch.Generator,
-        cheap_rows: int | None = None,  # see SpeculationPolicy
+        verify_row_budget: int | None = None,  # see SpeculationPolicy
     ) -> None:
         self.config = config
         self.draft = draft
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.policy = SpeculationPolicy(
-            adaptive=config.adaptive_speculation, cheap_rows=cheap_rows
+            adaptive=config.adaptive_speculation, verify_row_budget=verify_row_budget
         )
         self.generator = generator
 

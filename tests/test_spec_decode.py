@@ -248,7 +248,7 @@ def test_policy_never_pushes_a_step_over_the_row_cliff():
     """Memory-bound costs that would draft long, but a cliff at 32 rows: a step whose plain rows
     fit under it keeps its drafts under it too (32 decoders: none; 8: at most 24 drafts)."""
     def policy() -> SpeculationPolicy:
-        p = SpeculationPolicy(cheap_rows=32)
+        p = SpeculationPolicy(verify_row_budget=32)
         for n in (1, 8, 16, 32):
             p.record_target(n, 0.050 + 0.0002 * n)
         return p
