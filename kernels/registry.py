@@ -44,6 +44,8 @@ class _Entry:
 _BACKENDS: dict[str, _Entry] = {
     "torch": _Entry("kernels.torch_ref", "TorchPagedAttention", ("cpu", "cuda", "mps")),
     "sdpa": _Entry("kernels.sdpa", "SdpaPagedAttention", ("cpu", "cuda", "mps")),
+    # C++ (kernels/csrc/fused.cpp), float32, batch-invariant; auto picks it for quantized models
+    "cpu_paged": _Entry("kernels.cpu_paged", "CpuPagedAttention", ("cpu",)),
     # Triton's CPU interpreter (TRITON_INTERPRET=1) is for tests only: construct the class
     # directly there; the registry offers it on CUDA.
     "triton": _Entry("kernels.triton_paged", "TritonPagedAttention", ("cuda",), "triton"),

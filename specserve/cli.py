@@ -31,6 +31,9 @@ _ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "prompt_lookup_min": ("n-gram proposer: shortest n-gram to match", int),
     "prompt_lookup_max": ("n-gram proposer: longest n-gram to match (tried first)", int),
     "dtype": ("auto | float32 | bfloat16 | float16 (auto: bf16 on GPU/bf16 CPUs, else fp32)", str),
+    "quantization": ("auto | none | int4 | int8: weight-only block quantization of the target's "
+                     "projections (auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks on CPU, else none)",
+                     str),
     "device": ("auto | cpu | cuda[:N]", str),
     "max_model_len": ("context window in tokens (default: model's, at most 8192)", int),
     "block_size": ("tokens per KV block", int),
@@ -64,12 +67,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.adaptive_speculation,
         help="choose k <= k_max per sequence and step from measured costs and acceptance",
     )
+    group.add_argument(
+        "--kernel-tuning", action=argparse.BooleanOptionalAction, default=defaults.kernel_tuning,
+        help="time the kernel candidates of each projection shape at start-up (cached per "
+             "machine in ~/.cache/specserve/tune)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     fields = {name: getattr(args, name) for name in _ENGINE_FLAGS}
     fields["enable_prefix_caching"] = args.enable_prefix_caching
     fields["adaptive_speculation"] = args.adaptive_speculation
+    fields["kernel_tuning"] = args.kernel_tuning
     return EngineConfig(**fields)
 
 

@@ -28,6 +28,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     prompt_lookup_min: int = 1  # n-gram proposer: shortest n-gram matched
     prompt_lookup_max: int = 4  # n-gram proposer: longest n-gram matched (tried first)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # auto | none | int4 | int8: weight-only block quantization of the target's projections
+    # (target/quantize.py). auto: a GGUF's own Q4/Q8 blocks on CPU, else none
+    quantization: str = "auto"
+    # time the kernel candidates of each projection shape (cached per machine); off: defaults
+    kernel_tuning: bool = True
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None = the model's max_position_embeddings, capped at 8192
     block_size: int = 16
@@ -60,6 +65,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(
                 f"need 1 <= prompt-lookup-min <= prompt-lookup-max (got "
                 f"{self.prompt_lookup_min}, {self.prompt_lookup_max})"
+            )
+        if self.quantization not in ("auto", "none", "int4", "int8"):
+            raise ConfigError(
+                f"quantization must be auto, none, int4 or int8 (got {self.quantization!r})"
             )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(
@@ -99,19 +108,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         return device
 
-    def resolve_dtype(self, device: torch.device) -> torch.dtype:
-        """auto: bfloat16 on GPUs and on CPUs with native bf16 math, else float32 (emulated bf16
-        matmuls are slower than float32 on such CPUs)."""
+    def resolve_dtype(self, device: torch.device, quantized: bool = False) -> torch.dtype:
+        """auto: float32 around quantized projections (their kernels take and give float32);
+        else bfloat16 on GPUs, float32 on CPUs. A CPU bf16 model is not batch-invariant (a
+        k+1-row verify and one-row steps round differently), so speculation there could change
+        greedy answers; float32 is the lossless default."""
+        if quantized:
+            if self.dtype not in ("auto", "float32"):
+                raise ConfigError(
+                    f"quantized projections compute in float32; use --dtype auto or float32 "
+                    f"with --quantization (got --dtype {self.dtype}), or --quantization none"
+                )
+            return torch.float32
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
-        if device.type == "cuda" or cpu_has_native_bf16():
+        if device.type == "cuda":
             return torch.bfloat16
         return torch.float32
 
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags

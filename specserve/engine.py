@@ -15,9 +15,10 @@ from collections.abc import Iterable
 import torch
 
 from draft.model_proposer import DraftModelProposer
-from kernels.linear import verify_row_budget
+from kernels import quant_ext
 from kernels.metadata import AttentionMetadata, token_positions
 from kernels.registry import get_attention_backend
+from kernels.tuner import KernelTuner, TuneTable, default_row_counts
 from specserve.block_manager import BlockManager
 from specserve.config import EngineConfig
 from specserve.errors import ConfigError, InvalidRequestError
@@ -30,7 +31,8 @@ from specserve.sequence import Sequence
 from specserve.speculator import Speculator
 from specserve.tokenizer import IncrementalDetokenizer, apply_chat_template
 from specserve.tracing import NullTracer, Tracer
-from target.loader import build_model, check_draft_compatible
+from target.loader import build_model, cache_root, check_draft_compatible
+from target.quantize import quantize_model, resolve_quantization
 from target.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -52,10 +54,12 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.resolve_device()
-        self.dtype = config.resolve_dtype(self.device)
         model_path = resolve_model_path(config.model)
         self.model_path = model_path
+        self.quantization = resolve_quantization(config.quantization, model_path, self.device)
+        self.dtype = config.resolve_dtype(self.device, quantized=self.quantization != "none")
         self.model_config, model = build_model(model_path, self.dtype, self.device)
+        quantize_model(model, self.quantization, model_path)
         self.tokenizer = load_tokenizer(config.tokenizer or model_path)
         self.draft_config, draft_model = None, None
         if config.draft_model is not None:
@@ -67,8 +71,11 @@ class LLMEngine:
                 self.model_config, self.draft_config, self.tokenizer, load_tokenizer(draft_path)
             )
         self._resolve_limits()
+        backend = config.attention_backend
+        if backend == "auto" and self.quantization != "none" and quant_ext.available():
+            backend = "cpu_paged"  # batch-invariant, like the quantized projections
         self.attn_backend = get_attention_backend(
-            config.attention_backend, self.device, block_size=config.block_size
+            backend, self.device, block_size=config.block_size
         )
         self.runner = ModelRunner(
             self.model_config,
@@ -97,19 +104,39 @@ class LLMEngine:
             # One span per draft forward (each draft step) without touching the proposer.
             draft_model.register_forward_pre_hook(lambda *_: self.tracer.begin("draft_forward"))
             draft_model.register_forward_hook(lambda *_: self.tracer.end())
+        self.kernel_table = self._tune_kernels(model, draft_model)
         self.speculator = Speculator(
-            config, draft, self.generator, verify_row_budget(self.device, self.dtype)
+            config, draft, self.generator,
+            None if self.kernel_table is None else self.kernel_table.projection_seconds,
         )
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         log.info(
-            "engine ready: model=%s dtype=%s device=%s kv_blocks=%d block_size=%d "
-            "max_model_len=%d backend=%s",
-            model_path, self.dtype, self.device, config.num_kv_blocks, config.block_size,
+            "engine ready: model=%s quantization=%s dtype=%s device=%s kv_blocks=%d "
+            "block_size=%d max_model_len=%d backend=%s",
+            model_path, self.quantization, self.dtype, self.device, config.num_kv_blocks,
+            config.block_size,
             config.max_model_len, self.attn_backend.name,
         )
 
     # ---- set-up -------------------------------------------------------------------------
+
+    def _tune_kernels(self, model: torch.nn.Module, draft: torch.nn.Module | None
+                      ) -> TuneTable | None:
+        """Measures (or reads the cached) kernel plan for the target's projections at the row
+        counts this engine runs, and the draft's at its own (1 row per sequence)."""
+        cfg = self.config
+        if not cfg.kernel_tuning or self.device.type != "cpu":
+            return None
+        tuner = KernelTuner(cache_root() / "tune", "target", progress=True)
+        rows = default_row_counts(
+            cfg.num_speculative_tokens, cfg.max_num_seqs, cfg.max_num_batched_tokens
+        )
+        table = tuner.tune(model, rows)
+        if draft is not None:
+            draft_rows = default_row_counts(0, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+            KernelTuner(cache_root() / "tune", "draft", progress=True).tune(draft, draft_rows)
+        return table
 
     def _resolve_limits(self) -> None:
         """Writes the derived context length and KV pool size back into the config."""

@@ -22,6 +22,7 @@ the policy keeps at k = 0 drifts back to that prior, so it is tried again later.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,10 +54,17 @@ class _LinearCost:
 
 class _StepCost:
     """Seconds per target forward by tokens fed: the median of the last ``per_count``
-    measurements at that exact count once there are ``_MIN_SAMPLES``; else the linear fit."""
+    measurements at that exact count once there are ``_MIN_SAMPLES``. A count not measured yet
+    is priced from the kernel tuner's table when there is one (``prior``: seconds of all
+    projections at n rows), plus the rest of the forward as measured at the nearest measured
+    count; else from the linear fit."""
 
-    def __init__(self, fixed: float, per_unit: float, per_count: int = 9) -> None:
+    def __init__(
+        self, fixed: float, per_unit: float, per_count: int = 9,
+        prior: Callable[[int], float | None] | None = None,
+    ) -> None:
         self.linear = _LinearCost(fixed, per_unit)
+        self.prior = prior
         self.per_count = per_count
         self.recent: dict[int, deque[float]] = {}  # one key per step size seen: bounded
         self.median: dict[int, float] = {}
@@ -70,7 +78,14 @@ class _StepCost:
 
     def __call__(self, units: int) -> float:
         measured = self.median.get(units)
-        return self.linear(units) if measured is None else measured
+        if measured is not None:
+            return measured
+        if self.prior is not None and self.median:
+            nearest = min(self.median, key=lambda c: abs(c - units))
+            here, there = self.prior(units), self.prior(nearest)
+            if here is not None and there is not None:
+                return here + max(self.median[nearest] - there, 0.0)
+        return self.linear(units)
 
 
 @dataclass
@@ -109,16 +124,16 @@ class Candidate:
 
 
 class SpeculationPolicy:
-    def __init__(self, adaptive: bool = True, verify_row_budget: int | None = None) -> None:
-        """``verify_row_budget``: a step size past which extra verify rows are known not to pay
-        on this device (kernels.linear.verify_row_budget). A step whose plain rows fit under it
-        is never pushed over it by drafts; the cost table alone, pricing each of the many counts
-        between 32 and 160 rows from few samples, let 32 concurrent sequences fall to 0.84x
-        plain."""
+    def __init__(
+        self, adaptive: bool = True,
+        projection_seconds: Callable[[int], float | None] | None = None,
+    ) -> None:
+        """``projection_seconds``: the kernel tuner's measured cost of all projections of one
+        forward at n rows (kernels/tuner.py). It prices the many step sizes not measured yet
+        (a cliff in the matmul cost at some row count shows there before a step crosses it)."""
         self.adaptive = adaptive
-        self.verify_row_budget = verify_row_budget
         # Priors until measured: a memory-bound CPU step (~tens of ms fixed, ~1 ms per token).
-        self.target_cost = _StepCost(fixed=0.05, per_unit=0.001)
+        self.target_cost = _StepCost(fixed=0.05, per_unit=0.001, prior=projection_seconds)
         self.draft_cost = _LinearCost(fixed=0.01, per_unit=0.0005)
         self.global_stats: dict[str, AcceptanceStats] = {}
         self.seq_stats: dict[int, AcceptanceStats] = {}
@@ -163,8 +178,6 @@ class SpeculationPolicy:
         def goodput(ks: dict[int, int]) -> float:
             gain = sum(expected_tokens(c.rate, ks[c.key]) for c in candidates)
             n_tok = n_base + sum(ks.values())
-            if self.verify_row_budget is not None and n_base <= self.verify_row_budget < n_tok:
-                return 0.0  # measured: crossing the cliff costs more than drafts return
             drafting = [c for c in candidates if c.uses_draft_model and ks[c.key] > 0]
             k_draft = max((ks[c.key] for c in drafting), default=0)
             draft = k_draft * self.draft_cost(len(drafting)) if drafting else 0.0

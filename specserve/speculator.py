@@ -12,6 +12,7 @@ The engine stays one straight-line step; everything specific to drafting lives h
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,13 +42,13 @@ class Drafts:
 class Speculator:
     def __init__(
         self, config: EngineConfig, draft: DraftModelProposer | None, generator: torch.Generator,
-        verify_row_budget: int | None = None,  # see SpeculationPolicy
+        projection_seconds: Callable[[int], float | None] | None = None,  # see SpeculationPolicy
     ) -> None:
         self.config = config
         self.draft = draft
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.policy = SpeculationPolicy(
-            adaptive=config.adaptive_speculation, verify_row_budget=verify_row_budget
+            adaptive=config.adaptive_speculation, projection_seconds=projection_seconds
         )
         self.generator = generator
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear import linear
+from kernels.linear import DenseLinear
 from kernels.metadata import AttentionMetadata
 from kernels.norm import rms_norm
 from kernels.registry import AttentionBackend
@@ -27,6 +27,8 @@ from specserve.errors import ModelLoadError
 from target.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, KVH, D]
+# The fused float32 CPU ops of kernels/csrc/fused.cpp (kernels.quant_ext.load()), or None.
+FusedOps = Any
 
 
 class RMSNorm(nn.Module):
@@ -43,6 +45,8 @@ class Attention(nn.Module):
     """Self-attention of one layer: fused qkv projection, optional per-head q/k RMSNorm (Qwen3,
     applied before rotary), rotary, paged attention, output projection."""
 
+    fused: FusedOps | None = None
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, **factory: object) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
@@ -50,10 +54,10 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.layer_sliding_windows[layer_idx]
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = DenseLinear(
             cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias, **factory
         )
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, **factory)
+        self.o_proj = DenseLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, **factory)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
 
@@ -64,43 +68,60 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, D]
     ) -> torch.Tensor:  # [T, hidden]
         T = x.shape[0]
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q + 2 kv]
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        if self.fused is not None and self.q_norm is None and qkv.dtype == torch.float32:
+            # rope[0], rope[1]: contiguous [T, D] float32 (CausalLM.forward)
+            self.fused.rotary_qkv_(qkv, *rope, self.num_heads, self.num_kv_heads, self.head_dim)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            o = backend.forward(
+                q.view(T, self.num_heads, self.head_dim),
+                k.view(T, self.num_kv_heads, self.head_dim),
+                v.view(T, self.num_kv_heads, self.head_dim),
+                kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+            )  # [T, H, D]
+            return self.o_proj(o.reshape(T, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = apply_rotary(q, k, rope[0][:, None], rope[1][:, None])
         o = backend.forward(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
         )  # [T, H, D]
-        return linear(o.reshape(T, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
+    fused: FusedOps | None = None
+
     def __init__(self, cfg: ModelConfig, **factory: object) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = DenseLinear(
             cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, **factory
         )
-        self.down_proj = nn.Linear(
+        self.down_proj = DenseLinear(
             cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, **factory
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate_up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)  # [T, 2I]
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.fused is not None and gate_up.dtype == torch.float32:
+            return self.down_proj(self.fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
-        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    fused: FusedOps | None = None
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, **factory: object) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
@@ -117,6 +138,15 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:  # [T, hidden]
+        if self.fused is not None and h.dtype == torch.float32:
+            # The same sums, fused: h += attn(norm1(h)) in place, norm2 from the new h.
+            ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+            a = self.self_attn(
+                positions, self.fused.rms_norm(h, ln1.weight, ln1.eps), kv_cache, meta,
+                backend, rope,
+            )
+            x = self.fused.add_rms_norm_(a, h, ln2.weight, ln2.eps)
+            return h.add_(self.mlp(x))
         # Same order of additions as transformers, so float32 results match bit for bit.
         h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta, backend, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -154,7 +184,7 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings and head_token_ids is None
-            else nn.Linear(config.hidden_size, head_rows, bias=False, **factory)
+            else DenseLinear(config.hidden_size, head_rows, bias=False, **factory)
         )
         rotary_device = "cpu" if device is None or torch.device(device).type == "meta" else device
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, rotary_device)
@@ -184,7 +214,8 @@ class CausalLM(nn.Module):
         if self.rotary.inv_freq.device != positions.device:
             self.rotary.inv_freq = self.rotary.inv_freq.to(positions.device)
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary.cos_sin(positions, h.dtype)  # once per step, shared by all layers
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)  # once per step, for all layers
+        rope = (cos[:, 0].contiguous(), sin[:, 0].contiguous())  # [T, D] each
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(positions, h, kv_cache, meta, attn_backend, rope)
         if logits_indices is not None:
@@ -192,11 +223,19 @@ class CausalLM(nn.Module):
         h = self.norm(h)  # [N, hidden]; RMSNorm is per row, so selecting first is exact
         return self.compute_logits(h), h
 
+    def enable_fused_ops(self, ops: FusedOps | None) -> None:
+        """Routes norms, rotary, SiLU*mul and residual adds through the fused float32 CPU ops
+        (the quantized path); None restores the reference ops, which follow transformers."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP, DecoderLayer)):
+                module.fused = ops
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (after the final norm) -> logits [N, vocab] float32 ([N, len(
         head_token_ids)] for a reduced head), computed in the model dtype like transformers."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is None:  # tied and dense
+            return DenseLinear.apply(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``...) into the

@@ -244,23 +244,30 @@ def test_policy_turns_speculation_off_when_compute_bound():
     assert ks[0] == 0
 
 
-def test_policy_never_pushes_a_step_over_the_row_cliff():
-    """Memory-bound costs that would draft long, but a cliff at 32 rows: a step whose plain rows
-    fit under it keeps its drafts under it too (32 decoders: none; 8: at most 24 drafts)."""
+def test_policy_prices_unmeasured_counts_from_the_kernel_table():
+    """Steps measured only at plain sizes; the tuner's table shows a cliff in the matmul cost
+    past 32 rows. 32 decoders must not draft over it; one decoder far below it drafts fully."""
+    def table(n: int) -> float:
+        return 0.040 + (0.0002 * n if n <= 32 else 0.0002 * 32 + 0.004 * (n - 32))
+
     def policy() -> SpeculationPolicy:
-        p = SpeculationPolicy(verify_row_budget=32)
-        for n in (1, 8, 16, 32):
-            p.record_target(n, 0.050 + 0.0002 * n)
+        p = SpeculationPolicy(projection_seconds=table)
+        for n in (1, 8, 32):
+            for _ in range(3):
+                p.record_target(n, table(n) + 0.010)  # the rest of the forward: 10 ms
         return p
 
     ks = policy().choose([Candidate(i, 4, 0.9, False) for i in range(32)], 0)
     assert all(k == 0 for k in ks.values())
-    ks = policy().choose([Candidate(i, 4, 0.9, False) for i in range(8)], 0)
-    assert 0 < sum(ks.values()) <= 24
     ks = policy().choose([Candidate(0, 4, 0.9, False)], 0)
     assert ks[0] == 4  # one sequence: 5 rows, far from the cliff
-    ks = policy().choose([Candidate(i, 4, 0.9, False) for i in range(40)], 0)
-    assert sum(ks.values()) > 0  # already past the cliff: the linear model decides
+    # Without the table the linear fit over 1..32 rows sees no cliff and drafts at 32.
+    p = SpeculationPolicy()
+    for n in (1, 8, 32):
+        for _ in range(3):
+            p.record_target(n, table(n) + 0.010)
+    ks = p.choose([Candidate(i, 4, 0.9, False) for i in range(32)], 0)
+    assert sum(ks.values()) > 0
 
 
 def test_expected_tokens():

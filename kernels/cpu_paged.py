@@ -1,0 +1,111 @@
+"""Paged attention in C++ for CPU float32 (kernels/csrc/fused.cpp), batch-invariant.
+
+Every decode or verify query row (sequences with at most ``MAX_KERNEL_QUERY`` new tokens) is
+attended on its own, in key order, straight from the paged cache: no gathered copy of the
+context, and a row's result is the same whether it is a one-token decode or one of k+1 verify
+rows, whatever else shares the step. Longer prefill chunks take the torch reference's SDPA path
+(the C++ loop is O(n * ctx) scalar work per head, too slow for long prompts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import quant_ext
+from kernels.metadata import AttentionMetadata
+from kernels.torch_ref import TorchPagedAttention, write_kv
+
+MAX_KERNEL_QUERY = 16
+
+
+@dataclass
+class _Plan:
+    rows: torch.Tensor | None  # [S] flat-batch rows taken by the kernel; None = all
+    seq_of: torch.Tensor  # [S] int64 sequence index of each
+    pos_of: torch.Tensor  # [S] int64 absolute position of each
+    long_meta: AttentionMetadata | None  # the long prefill chunks, for the SDPA path
+    long_rows: torch.Tensor | None
+    has_padding: bool
+
+
+def _build_plan(meta: AttentionMetadata) -> _Plan:
+    seq_of, pos_of, rows, long_rows, long_seqs = [], [], [], [], []
+    start = 0
+    for b, (n, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+        if n <= MAX_KERNEL_QUERY:
+            seq_of += [b] * n
+            pos_of += range(ctx - n, ctx)
+            rows += range(start, start + n)
+        else:
+            long_rows += range(start, start + n)
+            long_seqs.append(b)
+        start += n
+    long_meta = None
+    if long_seqs:
+        long_meta = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[torch.tensor(long_rows)],
+            cu_seqlens_q=meta.cu_seqlens_q,  # unused by the torch path
+            context_lens=meta.context_lens[long_seqs],
+            block_tables=meta.block_tables[long_seqs],
+            query_lens_cpu=[meta.query_lens_cpu[b] for b in long_seqs],
+            context_lens_cpu=[meta.context_lens_cpu[b] for b in long_seqs],
+            block_size=meta.block_size,
+        )
+    has_padding = bool(meta.slot_mapping.numel()) and bool((meta.slot_mapping < 0).any())
+    return _Plan(
+        None if not long_seqs else torch.tensor(rows, dtype=torch.int64),
+        torch.tensor(seq_of, dtype=torch.int64),
+        torch.tensor(pos_of, dtype=torch.int64),
+        long_meta,
+        None if not long_seqs else torch.tensor(long_rows, dtype=torch.int64),
+        has_padding,
+    )
+
+
+class CpuPagedAttention:
+    """Stateless; one instance serves every layer. float32 CPU caches only."""
+
+    name = "cpu_paged"
+
+    def __init__(self) -> None:
+        self._ext = quant_ext.load()
+        self._long = TorchPagedAttention()
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        k_cache: torch.Tensor,  # [N, block_size, KVH, D]
+        v_cache: torch.Tensor,  # [N, block_size, KVH, D]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [T, H, D]
+        if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+            return self._long.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+        plan: _Plan = meta.plan(self.name, lambda: _build_plan(meta))
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding)
+        window = sliding_window or 0
+        if plan.rows is None:
+            return self._ext.paged_attention(
+                q.contiguous(), k_cache, v_cache, meta.block_tables, plan.seq_of, plan.pos_of,
+                scale, window,
+            )
+        out = torch.empty_like(q)
+        if plan.rows.numel():
+            out[plan.rows] = self._ext.paged_attention(
+                q[plan.rows].contiguous(), k_cache, v_cache, meta.block_tables, plan.seq_of,
+                plan.pos_of, scale, window,
+            )
+        assert plan.long_meta is not None and plan.long_rows is not None
+        # K/V are written already; the torch path rewrites the same slots with the same values.
+        out[plan.long_rows] = self._long.forward(
+            q[plan.long_rows], k[plan.long_rows], v[plan.long_rows], k_cache, v_cache,
+            plan.long_meta, scale, sliding_window,
+        )
+        return out
+
+    __call__ = forward

@@ -1,0 +1,172 @@
+"""Block-quantized weights: llama.cpp's Q4_1 and Q8_0 formats (32 weights per block), held as
+planes of the file's own numbers, and the linear layer that computes with them.
+
+    Q4_1: w = d * q + m, q in 0..15, one scale d and one min m per 32 weights ("int4")
+    Q8_0: w = d * q,     q in -127..127, one scale d per 32 weights        ("int8")
+
+GGUF Q4_0 (w = d * (q - 8)) loads as Q4_1 with m = -8 d, which is the same number exactly.
+``from_gguf_blocks`` reads the file's block bytes without a round trip through float;
+``quantize`` makes the same formats from float weights (an HF folder with --quantization).
+``dequantize`` computes d * q + m in float32, as the gguf package (and so transformers) does, so
+the values are bit-identical to transformers' GGUF loading.
+
+``BlockQuantLinear`` runs kernels/csrc/qgemm.cpp (int8 activations per block of 32, as llama.cpp
+does; batch-invariant). Where that extension cannot be built it dequantizes the weight once and
+uses the dense path: slower, same weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from kernels import quant_ext
+from kernels.linear import RowPlan
+
+BLOCK = 32
+FORMATS = ("q4_1", "q8_0")
+# GGUF tensor type -> (our format, bytes per block of 32 weights)
+_GGUF_TYPES = {"Q4_0": ("q4_1", 18), "Q4_1": ("q4_1", 20), "Q8_0": ("q8_0", 34)}
+
+
+@dataclass
+class BlockQuantWeight:
+    """A [N, K] weight in blocks of 32 along K. Planes (KB = K // 32):
+    qs: uint8 [N, KB, 16] for q4_1 (byte j: q[j] low nibble, q[j+16] high nibble), int8
+    [N, KB, 32] for q8_0; d, m: float32 [N, KB] (m is None for q8_0)."""
+
+    fmt: str
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.qs.shape[1] * BLOCK
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes q as int32 [N, K] in weight order."""
+        if self.fmt == "q8_0":
+            return self.qs.to(torch.int32).flatten(1)
+        lo, hi = self.qs & 0x0F, self.qs >> 4  # [N, KB, 16] each
+        return torch.cat([lo, hi], dim=-1).to(torch.int32).flatten(1)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: d * q (+ m), exactly as the gguf package computes it."""
+        q = self.codes().to(torch.float32).view(*self.d.shape, BLOCK)  # [N, KB, 32]
+        w = self.d[..., None] * q
+        if self.m is not None:
+            w = w + self.m[..., None]
+        return w.flatten(1)
+
+    def rows(self, index: torch.Tensor) -> BlockQuantWeight:
+        """The weight with its rows reordered/selected by ``index`` (blocks run along K, so
+        whole rows move as they are)."""
+        pick = lambda t: None if t is None else t.index_select(0, index).contiguous()
+        return BlockQuantWeight(self.fmt, pick(self.qs), pick(self.d), pick(self.m))
+
+    @staticmethod
+    def cat(parts: list[BlockQuantWeight]) -> BlockQuantWeight:
+        """Stacks weights along N (fused q|k|v, gate|up)."""
+        fmts = {p.fmt for p in parts}
+        if len(fmts) != 1:
+            raise ValueError(f"cannot fuse weights of different formats {sorted(fmts)}")
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])  # type: ignore[misc]
+        return BlockQuantWeight(
+            parts[0].fmt, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m
+        )
+
+
+def gguf_format(type_name: str) -> str | None:
+    """Our format for a GGUF tensor type name (Q4_0, Q4_1, Q8_0), None if we keep it float."""
+    entry = _GGUF_TYPES.get(type_name)
+    return None if entry is None else entry[0]
+
+
+def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockQuantWeight:
+    """raw: the tensor's bytes as uint8 [N, KB * bytes_per_block], as gguf.GGUFReader maps them;
+    shape: (N, K) in PyTorch order."""
+    if type_name not in _GGUF_TYPES:
+        raise ValueError(f"GGUF type {type_name} has no packed form here (use Q4_0, Q4_1, Q8_0)")
+    fmt, nb = _GGUF_TYPES[type_name]
+    n, k = shape
+    if k % BLOCK:
+        raise ValueError(f"a {type_name} tensor needs K divisible by {BLOCK} (got {shape})")
+    blocks = torch.from_numpy(np.ascontiguousarray(raw).reshape(n, k // BLOCK, nb))
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].to(torch.float32)
+    if type_name == "Q8_0":
+        qs = blocks[..., 2:].contiguous().view(torch.int8)
+        return BlockQuantWeight(fmt, qs, d.contiguous(), None)
+    if type_name == "Q4_1":
+        m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].to(torch.float32)
+        return BlockQuantWeight(fmt, blocks[..., 4:].contiguous(), d.contiguous(), m.contiguous())
+    # Q4_0: w = d (q - 8) = d q + (-8 d); both forms are exact in float32.
+    return BlockQuantWeight(fmt, blocks[..., 2:].contiguous(), d.contiguous(), (-8.0 * d))
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> BlockQuantWeight:
+    """float [N, K] -> blocks (round to nearest; q4_1 spans each block's [min, max] as
+    llama.cpp's reference quantizer does, q8_0 scales by the block's absolute max)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown block format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"quantizing needs K divisible by {BLOCK} (got {tuple(weight.shape)})")
+    w = weight.detach().to(torch.float32).reshape(n, k // BLOCK, BLOCK)
+    if fmt == "q8_0":
+        d = w.abs().amax(-1) / 127.0  # [N, KB]
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        q = torch.round(w * inv[..., None]).clamp(-127, 127).to(torch.int8)
+        return BlockQuantWeight(fmt, q.contiguous(), d.contiguous(), None)
+    lo, hi = w.amin(-1), w.amax(-1)
+    d = (hi - lo) / 15.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round((w - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    return BlockQuantWeight(fmt, qs.contiguous(), d.contiguous(), lo.contiguous())
+
+
+class BlockQuantLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W block-quantized. Float32 in, float32 out. The planes are
+    buffers, so ``.to()`` and ``state_dict`` see them."""
+
+    def __init__(self, weight: BlockQuantWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.fmt = weight.fmt
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("qs", weight.qs)
+        self.register_buffer("d", weight.d)
+        self.register_buffer("m", weight.m)
+        self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
+        # Rows sharing each unpacked weight block, per row count: numerically irrelevant (the
+        # kernel is batch-invariant), so the tuner (kernels/tuner.py) picks by speed alone.
+        self.rows_plan: RowPlan | None = None
+        self._dense: torch.Tensor | None = None
+        self._ext = quant_ext.load() if quant_ext.available() else None
+
+    @property
+    def weight(self) -> BlockQuantWeight:
+        return BlockQuantWeight(self.fmt, self.qs, self.d, self.m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        rows = 4 if self.rows_plan is None else int(self.rows_plan.get(x.shape[0]))
+        return self.run(x, rows)
+
+    def run(self, x: torch.Tensor, rows_per_pass: int) -> torch.Tensor:
+        if self._ext is not None and x.device.type == "cpu":
+            return self._ext.block_linear(
+                x.to(torch.float32).contiguous(), self.qs, self.d, self.m, self.bias,
+                rows_per_pass,
+            )
+        if self._dense is None or self._dense.device != x.device:
+            self._dense = self.weight.dequantize().to(x.device)
+        return nn.functional.linear(x.to(torch.float32), self._dense, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.fmt}"

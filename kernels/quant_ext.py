@@ -1,0 +1,89 @@
+"""Builds and loads the CPU extension: block-quantized matmuls (kernels/csrc/qgemm.cpp) and the
+fused float32 ops of the quantized decode path (kernels/csrc/fused.cpp).
+
+The extension is compiled on first use with torch's own C++ extension builder (gcc, ninja) and
+cached under ``$SPECSERVE_CACHE_DIR/ext/<key>``, keyed by the source, the torch version and the
+Python version, so later starts load it in well under a second. It needs AVX2 and FMA (every
+x86-64 server CPU since 2013); elsewhere ``available()`` is False and quantized models fall back
+to torch kernels (see kernels/quant.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from target.loader import cache_root
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qgemm.cpp", "fused.cpp")]
+# -fopenmp: at::parallel_for is OpenMP pragmas in a header, so without it every kernel runs on
+# one thread. The extension's libgomp.so.1 resolves to the one torch has already loaded.
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_supported() -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= cpu_flags()
+
+
+def build_key() -> str:
+    """Changes whenever the sources, flags, torch or Python change (the kernel tuner keys its
+    table on it too: a rebuilt kernel is re-measured)."""
+    source = b"".join(p.read_bytes() for p in _SOURCES)
+    return hashlib.sha256(
+        source + " ".join(_FLAGS).encode() + torch.__version__.encode() + sys.version.encode()
+    ).hexdigest()[:16]
+
+
+@functools.cache
+def load() -> ModuleType:
+    """The compiled extension; builds it on the first call on this machine. Raises
+    ``RuntimeError`` with the reason when it cannot be had here."""
+    if not cpu_supported():
+        raise RuntimeError("the block-quantized CPU kernels need an x86-64 CPU with AVX2 and FMA")
+    from torch.utils import cpp_extension
+
+    key = build_key()
+    build_dir = cache_root() / "ext" / f"qgemm-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    module = cpp_extension.load(
+        name=f"specserve_qgemm_{key}",
+        sources=[str(p) for p in _SOURCES],
+        extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+    log.info("quantized kernels ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
+    return module
+
+
+def available() -> bool:
+    """True when the extension is (or can be) built and loaded on this machine."""
+    try:
+        load()
+        return True
+    except Exception as exc:  # a missing compiler, a CPU without AVX2: fall back, say why once
+        log.warning("block-quantized CPU kernels unavailable, using torch kernels: %s", exc)
+        return False

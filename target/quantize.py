@@ -1,0 +1,166 @@
+"""Weight-only block quantization of a loaded ``CausalLM``: which projections become
+``BlockQuantLinear`` and where their blocks come from.
+
+``--quantization``:
+  - ``none``: every projection stays dense in the model dtype (the reference path);
+  - ``int4`` / ``int8``: projections and the lm_head in Q4_1 / Q8_0 blocks. From a GGUF file,
+    tensors already in a 4-bit (Q4_0, Q4_1) or 8-bit (Q8_0) block type are taken as the file
+    holds them; others are quantized from their float values;
+  - ``auto``: a GGUF file keeps its own formats (each Q4_0/Q4_1/Q8_0 tensor as stored, other
+    types dense); an HF folder stays dense. On CUDA: ``none`` (the kernels are CPU kernels).
+
+A quantized model also runs its norms, rotary, SiLU*mul and residual adds through the fused
+float32 ops of kernels/csrc/fused.cpp (``CausalLM.enable_fused_ops``).
+
+The embedding lookup stays dense (a gather costs nothing to keep exact); with tied embeddings the
+lm_head gets its own block copy of the table, as llama.cpp computes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kernels import quant_ext
+from kernels.quant import BlockQuantLinear, BlockQuantWeight, from_gguf_blocks, gguf_format
+from kernels.quant import quantize as quantize_blocks
+from specserve.errors import ConfigError
+from target.model import CausalLM
+
+log = logging.getLogger(__name__)
+
+QUANTIZATION_CHOICES = ("auto", "none", "int4", "int8")
+_FORMAT_OF = {"int4": "q4_1", "int8": "q8_0"}
+# GGUF projection names (llama family) -> (our fused module, its part, part order)
+_GGUF_PARTS = {
+    "attn_q": ("self_attn.qkv_proj", 0),
+    "attn_k": ("self_attn.qkv_proj", 1),
+    "attn_v": ("self_attn.qkv_proj", 2),
+    "attn_output": ("self_attn.o_proj", 0),
+    "ffn_gate": ("mlp.gate_up_proj", 0),
+    "ffn_up": ("mlp.gate_up_proj", 1),
+    "ffn_down": ("mlp.down_proj", 0),
+}
+
+
+def resolve_quantization(choice: str, model_path: str, device: torch.device) -> str:
+    """``auto`` -> ``gguf`` (a GGUF's own formats) or ``none``; others as given."""
+    if choice not in QUANTIZATION_CHOICES:
+        raise ConfigError(
+            f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} (got {choice!r})"
+        )
+    if choice != "auto":
+        if choice != "none" and device.type != "cpu":
+            raise ConfigError(f"quantization {choice} runs CPU kernels; use --quantization none "
+                              f"on {device.type}")
+        return choice
+    from target.loader import is_gguf
+
+    return "gguf" if device.type == "cpu" and is_gguf(model_path) else "none"
+
+
+def projection_modules(model: CausalLM) -> dict[str, nn.Linear]:
+    """Our module names -> the dense projections that may be quantized (lm_head included)."""
+    out = {
+        name: mod for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and name.startswith("layers.")
+    }
+    if model.lm_head is not None and isinstance(model.lm_head, nn.Linear):
+        out["lm_head"] = model.lm_head
+    return out
+
+
+def gguf_block_weights(path: str | Path, model: CausalLM) -> dict[str, BlockQuantWeight]:
+    """The GGUF's Q4_0/Q4_1/Q8_0 projection tensors as block weights under our module names,
+    q/k rows un-permuted as transformers does (llama.cpp stores them permuted for its rotary),
+    parts fused in our order. A module some of whose parts are of another type is left out."""
+    import gguf
+
+    cfg = model.config
+    reader = gguf.GGUFReader(str(path))
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    permuted = arch in ("llama", "mistral")  # transformers' LlamaTensorProcessor archs
+    parts: dict[str, dict[int, BlockQuantWeight | None]] = {}
+    head: BlockQuantWeight | None = None
+    tied_table: BlockQuantWeight | None = None
+    for t in reader.tensors:
+        fmt = gguf_format(t.tensor_type.name)
+        shape = (int(t.shape[1]), int(t.shape[0])) if len(t.shape) == 2 else None
+        weight = None
+        if fmt is not None and shape is not None:
+            weight = from_gguf_blocks(t.tensor_type.name, t.data, shape)
+        if t.name == "output.weight":
+            head = weight
+            continue
+        if t.name == "token_embd.weight":
+            tied_table = weight
+            continue
+        pieces = t.name.split(".")
+        if len(pieces) != 4 or pieces[0] != "blk" or pieces[2] not in _GGUF_PARTS:
+            continue
+        module, index = _GGUF_PARTS[pieces[2]]
+        if weight is not None and permuted and pieces[2] in ("attn_q", "attn_k"):
+            heads = cfg.num_heads if pieces[2] == "attn_q" else cfg.num_kv_heads
+            weight = weight.rows(_unpermute_index(weight.shape[0], heads))
+        parts.setdefault(f"layers.{pieces[1]}.{module}", {})[index] = weight
+    out: dict[str, BlockQuantWeight] = {}
+    for name, got in parts.items():
+        if got and all(w is not None for w in got.values()):
+            out[name] = BlockQuantWeight.cat([got[i] for i in sorted(got)])  # type: ignore[misc]
+    if model.lm_head is not None and model.head_token_ids is None:
+        if head is not None:
+            out["lm_head"] = head
+    elif cfg.tie_word_embeddings and tied_table is not None:
+        out["lm_head"] = tied_table
+    return out
+
+
+def _unpermute_index(rows: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k permutation: per head, rows (2i, 2i+1) of the file
+    came from rows (i, i + dim/2) of the original."""
+    dim = rows // heads // 2
+    idx = torch.arange(rows).view(heads, dim, 2).transpose(1, 2).reshape(rows)
+    return idx
+
+
+def quantize_model(model: CausalLM, mode: str, model_path: str) -> dict[str, str]:
+    """Swaps the model's projections for ``BlockQuantLinear`` per ``mode`` (``gguf``, ``int4``,
+    ``int8``; ``none`` does nothing). Returns module name -> format, for the log and tests."""
+    if mode == "none":
+        return {}
+    from target.loader import is_gguf
+
+    native = gguf_block_weights(model_path, model) if is_gguf(model_path) else {}
+    want = _FORMAT_OF.get(mode)  # None: the file's own formats
+    dense = projection_modules(model)
+    if model.lm_head is None and model.config.tie_word_embeddings:
+        dense["lm_head"] = None  # type: ignore[assignment]  # tied: quantize a copy of the table
+    chosen: dict[str, str] = {}
+    for name, module in dense.items():
+        weight = native.get(name)
+        if weight is not None and want is not None and weight.fmt != want:
+            weight = None  # the file has another format: requantize from float
+        if weight is None and want is not None:
+            source = model.embed_tokens.weight if module is None else module.weight
+            if source.shape[1] % 32:
+                log.warning("%s: K=%d is not a multiple of 32; kept dense", name, source.shape[1])
+                continue
+            weight = quantize_blocks(source, want)
+        if weight is None:
+            continue  # auto on a GGUF tensor of another type: dense, as loaded
+        bias = None if module is None else module.bias
+        _set_module(model, name, BlockQuantLinear(weight, bias))
+        chosen[name] = weight.fmt
+    if chosen and quant_ext.available():
+        model.enable_fused_ops(quant_ext.load())
+    counts = {f: sum(1 for v in chosen.values() if v == f) for f in set(chosen.values())}
+    log.info("quantization %s: %s projections in blocks %s", mode, len(chosen), counts)
+    return chosen
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
