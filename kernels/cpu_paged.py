@@ -1,10 +1,14 @@
 """Paged attention in C++ for CPU float32 (kernels/csrc/fused.cpp), batch-invariant.
 
-Every decode or verify query row (sequences with at most ``MAX_KERNEL_QUERY`` new tokens) is
-attended on its own, in key order, straight from the paged cache: no gathered copy of the
-context, and a row's result is the same whether it is a one-token decode or one of k+1 verify
-rows, whatever else shares the step. Longer prefill chunks take the torch reference's SDPA path
-(the C++ loop is O(n * ctx) scalar work per head, too slow for long prompts).
+Every query row is attended on its own, in key order, straight from the paged cache: no
+gathered copy of the context, and a row's result is the same whether it is a one-token decode,
+one of k+1 verify rows, or a row of a prefill chunk of any length, whatever else shares the step.
+That includes prefix-cache hits: a prompt whose first blocks are cached prefills only its tail,
+and must get the same numbers as when it prefilled whole.
+
+``max_kernel_query`` (None: no limit) sends sequences with more new tokens than that to the torch
+reference's SDPA path instead: faster for long prompts (the C++ loop is O(n * ctx) per head with
+no key reuse across queries) but no longer invariant to chunking and prefix caching.
 """
 
 from __future__ import annotations
@@ -17,9 +21,6 @@ from kernels import quant_ext
 from kernels.metadata import AttentionMetadata
 from kernels.torch_ref import TorchPagedAttention, write_kv
 
-MAX_KERNEL_QUERY = 16
-
-
 @dataclass
 class _Plan:
     rows: torch.Tensor | None  # [S] flat-batch rows taken by the kernel; None = all
@@ -30,11 +31,11 @@ class _Plan:
     has_padding: bool
 
 
-def _build_plan(meta: AttentionMetadata) -> _Plan:
+def _build_plan(meta: AttentionMetadata, max_kernel_query: int | None) -> _Plan:
     seq_of, pos_of, rows, long_rows, long_seqs = [], [], [], [], []
     start = 0
     for b, (n, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
-        if n <= MAX_KERNEL_QUERY:
+        if max_kernel_query is None or n <= max_kernel_query:
             seq_of += [b] * n
             pos_of += range(ctx - n, ctx)
             rows += range(start, start + n)
@@ -69,8 +70,9 @@ class CpuPagedAttention:
 
     name = "cpu_paged"
 
-    def __init__(self) -> None:
+    def __init__(self, max_kernel_query: int | None = None) -> None:
         self._ext = quant_ext.load()
+        self.max_kernel_query = max_kernel_query
         self._long = TorchPagedAttention()
 
     def forward(
@@ -86,7 +88,7 @@ class CpuPagedAttention:
     ) -> torch.Tensor:  # [T, H, D]
         if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
             return self._long.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
-        plan: _Plan = meta.plan(self.name, lambda: _build_plan(meta))
+        plan: _Plan = meta.plan(self.name, lambda: _build_plan(meta, self.max_kernel_query))
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding)
         window = sliding_window or 0
         if plan.rows is None:

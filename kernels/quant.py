@@ -98,7 +98,7 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) ->
     n, k = shape
     if k % BLOCK:
         raise ValueError(f"a {type_name} tensor needs K divisible by {BLOCK} (got {shape})")
-    blocks = torch.from_numpy(np.ascontiguousarray(raw).reshape(n, k // BLOCK, nb))
+    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, k // BLOCK, nb))
     d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].to(torch.float32)
     if type_name == "Q8_0":
         qs = blocks[..., 2:].contiguous().view(torch.int8)

@@ -32,8 +32,8 @@ from specserve.speculator import Speculator
 from specserve.tokenizer import IncrementalDetokenizer, apply_chat_template
 from specserve.tracing import NullTracer, Tracer
 from target.loader import build_model, cache_root, check_draft_compatible
-from target.quantize import quantize_model, resolve_quantization
 from target.model_runner import ModelRunner
+from target.quantize import quantize_model, resolve_quantization
 
 log = logging.getLogger(__name__)
 

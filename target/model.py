@@ -32,12 +32,17 @@ FusedOps = Any
 
 
 class RMSNorm(nn.Module):
+    fused: FusedOps | None = None
+
     def __init__(self, size: int, eps: float, **factory: object) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, **factory))  # type: ignore[arg-type]
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
+        if self.fused is not None and x.dim() == 2 and x.dtype == torch.float32:
+            # torch's row reduction may change order with the row count; this one never does
+            return self.fused.rms_norm(x.contiguous(), self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -227,7 +232,7 @@ class CausalLM(nn.Module):
         """Routes norms, rotary, SiLU*mul and residual adds through the fused float32 CPU ops
         (the quantized path); None restores the reference ops, which follow transformers."""
         for module in self.modules():
-            if isinstance(module, (Attention, MLP, DecoderLayer)):
+            if isinstance(module, (Attention, MLP, DecoderLayer, RMSNorm)):
                 module.fused = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

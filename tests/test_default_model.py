@@ -25,7 +25,9 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048))
+    # The float32 reference path (no quantization): what transformers computes.
+    return LLMEngine(EngineConfig(dtype="float32", quantization="none",
+                                  kv_cache_memory=256 << 20, max_model_len=2048))
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +75,9 @@ def test_shipped_draft_is_the_default_and_output_stays_exact(engine, hf_model):
 
     assert engine.config.draft_model == str(DEFAULT_DRAFT_DIR)
     assert engine.config.default_speculative_method == "draft"
-    fixed = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=256 << 20,
-                                   max_model_len=2048, adaptive_speculation=False))
+    fixed = LLMEngine(EngineConfig(dtype="float32", quantization="none",
+                                   kv_cache_memory=256 << 20, max_model_len=2048,
+                                   adaptive_speculation=False))
     prompts = [chat_ids(fixed, q) for q in QUESTIONS]
     outs = fixed.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0),
                           SpeculativeParams("draft", 4))
@@ -84,8 +87,9 @@ def test_shipped_draft_is_the_default_and_output_stays_exact(engine, hf_model):
     # An untrained draft would give 1.0 token per verify; the shipped one measures ~1.5 at k=4
     # (RESULTS.md). Greedy, so this figure is deterministic for these prompts.
     assert steps > 0 and (accepted + steps) / steps > 1.25, (accepted, steps)
-    off = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=256 << 20,
-                                 max_model_len=2048, draft_model="none"))
+    off = LLMEngine(EngineConfig(dtype="float32", quantization="none",
+                                 kv_cache_memory=256 << 20, max_model_len=2048,
+                                 draft_model="none"))
     assert off.config.draft_model is None and off.config.default_speculative_method == "off"
 
 
@@ -179,7 +183,8 @@ REWRITE = (
 
 @pytest.fixture(scope="module")
 def ngram_engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(dtype="float32", kv_cache_memory=256 << 20, max_model_len=2048,
+    return LLMEngine(EngineConfig(dtype="float32", quantization="none",
+                                  kv_cache_memory=256 << 20, max_model_len=2048,
                                   speculative_method="ngram", adaptive_speculation=False))
 
 

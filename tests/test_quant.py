@@ -1,0 +1,359 @@
+"""Block-quantized weights and the C++ CPU kernels (kernels/csrc): values against gguf's own
+dequantization, products against float64, batch invariance bit for bit, the tuner's choice,
+and greedy speculation identical to plain decoding under every quantization."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import quant_ext
+from kernels.quant import BlockQuantLinear, from_gguf_blocks, quantize
+
+ext = quant_ext.load()  # make test installs the compiler toolchain; a build failure fails here
+
+
+def _weights(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.05 + 0.01 * torch.randn(n, 1, generator=g)
+
+
+# ---- formats ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_dequantize_like_gguf_bit_for_bit(type_name, tmp_path):
+    """A GGUF written by the gguf package, read back: our planes dequantize to exactly what
+    gguf.quants.dequantize (which transformers' GGUF loader calls) gives."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    w = _weights(64, 96, 0).numpy()
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    raw = gguf.quants.quantize(w, qtype)
+    writer.add_tensor("t", raw, raw_shape=raw.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensor = gguf.GGUFReader(str(path)).tensors[0]
+    ours = from_gguf_blocks(type_name, tensor.data, (64, 96)).dequantize()
+    ref = torch.from_numpy(gguf.quants.dequantize(tensor.data, qtype).reshape(64, 96))
+    assert torch.equal(ours, ref)
+
+
+def test_default_model_blocks_equal_transformers_weights():
+    """The built-in GGUF's Q4_1 projections (q/k un-permuted, fused) and its Q8_0 table, loaded
+    natively, dequantize bit for bit to the float tensors transformers' GGUF loader produces."""
+    from specserve.models import default_model_path
+    from target.loader import build_model, load_weights
+    from target.quantize import gguf_block_weights
+
+    path = default_model_path()
+    cfg, model = build_model(path, torch.float32, "cpu")
+    blocks = gguf_block_weights(path, model)
+    _, hf = load_weights(path)
+    assert len(blocks) == 4 * cfg.num_layers + 1  # qkv, o, gate_up, down per layer; head
+    for i in (0, cfg.num_layers - 1):
+        p = f"model.layers.{i}."
+        qkv = torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        assert torch.equal(blocks[f"layers.{i}.self_attn.qkv_proj"].dequantize(), qkv)
+        gate_up = torch.cat([hf[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")])
+        assert torch.equal(blocks[f"layers.{i}.mlp.gate_up_proj"].dequantize(), gate_up)
+        down = hf[p + "mlp.down_proj.weight"]
+        assert torch.equal(blocks[f"layers.{i}.mlp.down_proj"].dequantize(), down)
+    assert blocks["lm_head"].fmt == "q8_0"
+    assert torch.equal(blocks["lm_head"].dequantize(), hf["model.embed_tokens.weight"])
+
+
+# ---- kernels against float64 ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+def test_block_linear_within_activation_rounding_of_float64(fmt, rows):
+    """The kernel rounds activations to int8 per block of 32 (scale amax/127), like llama.cpp;
+    the weights are exact. So |y - x @ W^T| <= sum over blocks of (amax_b / 254) * sum|w| in the
+    block, plus float32 accumulation error. Stated per output, checked for every one."""
+    w = _weights(96, 128, 1)
+    qw = quantize(w, fmt)
+    dense = qw.dequantize().double()  # [N, K]
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 128, generator=g)
+    bias = torch.randn(96, generator=g)
+    y = BlockQuantLinear(qw, bias)(x).double()
+    ref = x.double() @ dense.T + bias.double()
+    step = x.abs().view(rows, -1, 32).amax(-1).double() / 254.0  # [M, KB] half a code
+    bound = torch.einsum("mb,nbk->mn", step, dense.abs().view(96, -1, 32))
+    bound += 1e-5 * (x.double().abs() @ dense.abs().T + 1.0)
+    assert ((y - ref).abs() <= bound).all(), float(((y - ref).abs() - bound).max())
+    # and the rounding is a real effect, not zero: the bound is not vacuous
+    assert (y - ref).abs().max() > 0
+
+
+def test_quantize_int4_and_int8_error_is_a_fraction_of_a_step():
+    w = _weights(64, 256, 2)
+    for fmt, levels in (("q4_1", 15), ("q8_0", 254)):
+        deq = quantize(w, fmt).dequantize()
+        blocks = w.view(64, -1, 32)
+        step = (blocks.amax(-1) - blocks.amin(-1)) / levels  # per block
+        err = (deq - w).abs().view(64, -1, 32).amax(-1)
+        assert (err <= step * 0.5 + 1e-6).all() if fmt == "q4_1" else (err <= step + 1e-6).all()
+
+
+def test_fused_ops_match_float64():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 96, generator=g)
+    w = torch.randn(96, generator=g)
+    ref = (x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()) * w.double()
+    torch.testing.assert_close(ext.rms_norm(x, w, 1e-5).double(), ref, rtol=1e-5, atol=1e-6)
+    r = torch.randn(7, 96, generator=g)
+    r0 = r.clone()
+    y = ext.add_rms_norm_(x, r, w, 1e-5)
+    assert torch.equal(r, r0 + x)
+    torch.testing.assert_close(y, ext.rms_norm(r, w, 1e-5), rtol=0, atol=0)
+    gu = torch.randn(5, 2 * 40, generator=g)
+    ref = F.silu(gu[:, :40].double()) * gu[:, 40:].double()
+    torch.testing.assert_close(ext.silu_mul(gu).double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_rotary_equals_reference_rotary():
+    from kernels.rotary import apply_rotary
+
+    g = torch.Generator().manual_seed(4)
+    H, KVH, D, T = 4, 2, 16, 5
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g)
+    ang = torch.randn(T, D // 2, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], -1)
+    rq, rk = apply_rotary(q.reshape(T, H, D), k.reshape(T, KVH, D), cos[:, None], sin[:, None])
+    out = qkv.clone()
+    ext.rotary_qkv_(out, cos, sin, H, KVH, D)
+    assert torch.equal(out[:, : H * D], rq.reshape(T, -1))  # the same sums in the same order
+    assert torch.equal(out[:, H * D: (H + KVH) * D], rk.reshape(T, -1))
+    assert torch.equal(out[:, (H + KVH) * D:], v)
+
+
+def _attention_case(seed: int, query_lens: list[int], ctx_lens: list[int], window: int | None):
+    from kernels.metadata import AttentionMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    bs, H, KVH, D = 4, 4, 2, 16
+    blocks_per = [-(-c // bs) for c in ctx_lens]
+    perm = torch.randperm(sum(blocks_per) + 3, generator=g).tolist()
+    tables, i = [], 0
+    for n in blocks_per:
+        tables.append(perm[i: i + n])
+        i += n
+    meta = AttentionMetadata.build(query_lens, ctx_lens, tables, bs)
+    n_blocks = len(perm)
+    k_cache = torch.randn(n_blocks, bs, KVH, D, generator=g)
+    v_cache = torch.randn(n_blocks, bs, KVH, D, generator=g)
+    T = sum(query_lens)
+    q = torch.randn(T, H, D, generator=g)
+    k = torch.randn(T, KVH, D, generator=g)
+    v = torch.randn(T, KVH, D, generator=g)
+    return q, k, v, k_cache, v_cache, meta, window
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_cpu_paged_attention_matches_float64_reference(window):
+    """Against the torch reference backend run in float64 on the same inputs; mixed decode,
+    verify and a long prefill (which takes the SDPA path) in one step."""
+    from kernels.cpu_paged import CpuPagedAttention
+    from kernels.torch_ref import TorchPagedAttention
+
+    q, k, v, kc, vc, meta, window = _attention_case(5, [1, 4, 20], [9, 13, 20], window)
+    out = CpuPagedAttention(max_kernel_query=16).forward(q, k, v, kc, vc, meta, 0.25, window)
+    meta.plan_cache.clear()
+    torch.testing.assert_close(
+        CpuPagedAttention().forward(q, k, v, kc, vc, meta, 0.25, window), out, rtol=0, atol=2e-6
+    )
+    kc64, vc64 = kc.double(), vc.double()
+    meta.plan_cache.clear()
+    ref = TorchPagedAttention().forward(
+        q.double(), k.double(), v.double(), kc64, vc64, meta, 0.25, window
+    )
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kc.view(-1, *k.shape[1:])[meta.slot_mapping], k)  # written at the slots
+
+
+# ---- batch invariance -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_block_linear_is_batch_invariant(fmt):
+    """Row i of an M-row call equals the 1-row call bit for bit, M = 1..9 and the batch sizes
+    the engine runs, whatever rows share each weight block and however threads split N."""
+    lin = BlockQuantLinear(quantize(_weights(200, 96, 6), fmt), torch.randn(200))
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(7))
+    single = torch.cat([lin.run(x[i: i + 1], 1) for i in range(64)])
+    for rows in [*range(1, 10), 16, 32, 64]:
+        for per_pass in (1, 2, 4):
+            assert torch.equal(lin.run(x[:rows], per_pass), single[:rows]), (rows, per_pass)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin.run(x, 4), single)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fused_ops_are_batch_invariant():
+    g = torch.Generator().manual_seed(8)
+    x, r, w = torch.randn(33, 64, generator=g), torch.randn(33, 64, generator=g), torch.randn(64)
+    gu = torch.randn(33, 128, generator=g)
+    for rows in [*range(1, 10), 16, 32]:
+        assert torch.equal(ext.rms_norm(x[:rows], w, 1e-6), ext.rms_norm(x, w, 1e-6)[:rows])
+        assert torch.equal(ext.silu_mul(gu[:rows]), ext.silu_mul(gu)[:rows])
+        a, b = r[:rows].clone(), r.clone()
+        assert torch.equal(ext.add_rms_norm_(x[:rows], a, w, 1e-6),
+                           ext.add_rms_norm_(x, b, w, 1e-6)[:rows])
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_cpu_paged_attention_verify_rows_equal_decode_rows(window):
+    """A verify of k+1 tokens gives each row exactly what a one-token decode at that position
+    gives (same cache), in a batch of other sequences or alone."""
+    from kernels.cpu_paged import CpuPagedAttention
+    from kernels.metadata import AttentionMetadata
+
+    backend = CpuPagedAttention()
+    q, k, v, kc, vc, meta, _ = _attention_case(9, [5, 1, 3], [12, 7, 10], window)
+    verify = backend.forward(q, k, v, kc, vc, meta, 0.3, window)  # writes all new K/V
+    tables = [meta.block_tables[b].tolist() for b in range(3)]
+    start = 0
+    for b, (n, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+        for j in range(n):
+            t = start + j
+            one = AttentionMetadata.build([1], [ctx - n + j + 1], [tables[b]], meta.block_size)
+            row = backend.forward(q[t: t + 1], k[t: t + 1], v[t: t + 1], kc, vc, one, 0.3,
+                                  window)
+            assert torch.equal(row[0], verify[t]), (b, j)
+        start += n
+
+
+# ---- the tuner ------------------------------------------------------------------------------
+
+
+def test_tuner_picks_the_faster_candidate_and_caches(tmp_path, monkeypatch):
+    """One candidate made artificially slow: the tuner must choose the other at every row
+    count, write the table, and a second tuner must read it back without timing anything."""
+    from kernels import linear, tuner
+    from kernels.linear import DenseLinear
+
+    def slow(x, w, b):
+        time.sleep(0.002)
+        return F.linear(x, w, b)
+
+    monkeypatch.setattr(linear, "DENSE_KERNELS", {"slow": slow, "fast": F.linear})
+    monkeypatch.setattr(tuner, "DENSE_KERNELS", linear.DENSE_KERNELS)
+    model = torch.nn.Sequential(DenseLinear(32, 48), DenseLinear(32, 48), DenseLinear(48, 32))
+    t = tuner.KernelTuner(tmp_path, "test", repeats=3)
+    table = t.tune(model, [1, 2, 5])
+    assert set(table.groups) == {"dense:float32:48x32", "dense:float32:32x48"}
+    for group in table.groups.values():
+        assert set(group.choice.values()) == {"fast"}
+        for rows, timing in group.timings.items():
+            assert timing["slow"] > timing["fast"]
+    assert model[0].plan is not None and model[0].plan.get(3) == "fast"
+    assert model[0].plan is model[1].plan  # one plan per shape
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias))
+
+    def no_measuring(*_a, **_k):
+        raise AssertionError("the cached table should have been read")
+
+    monkeypatch.setattr(tuner.KernelTuner, "measure", no_measuring)
+    again = tuner.KernelTuner(tmp_path, "test").tune(model, [1, 2, 5])
+    assert again.groups["dense:float32:48x32"].choice == table.groups["dense:float32:48x32"].choice
+    assert again.projection_seconds(5) == pytest.approx(table.projection_seconds(5))
+
+
+def test_row_plan_lookup():
+    from kernels.linear import RowPlan
+
+    plan = RowPlan("linear")
+    assert plan.get(7) == "linear"
+    plan.set(4, "a")
+    plan.set(1, "b")
+    plan.set(16, "c")
+    assert [plan.get(r) for r in (1, 2, 4, 15, 16, 500)] == ["b", "b", "a", "a", "c", "c"]
+
+
+# ---- through the engine -----------------------------------------------------------------------
+
+
+def _engine(model: str | None, quantization: str, method: str, **kw):
+    from specserve.config import EngineConfig
+    from specserve.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(
+        model=model, quantization=quantization, speculative_method=method, draft_model="none",
+        kv_cache_memory=128 << 20, max_model_len=1024, adaptive_speculation=False, **kw,
+    ))
+
+
+REWRITE = ("Rewrite in the past tense: The new library opens on Monday. The new library has a "
+           "cafe, a reading room and a children's corner. The new library is open from nine "
+           "to six.")
+
+
+@pytest.mark.parametrize("quantization", ["auto", "int8", "int4"])
+def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization):
+    """Under every quantization of the built-in model (auto: its own Q4_1/Q8_0 blocks), n-gram
+    speculation with a fixed k=4 gives token-for-token the plain output: the verify pass is
+    batch-invariant, so it scores each draft exactly as a one-row step would."""
+    plain = _engine(None, quantization, "off")
+    spec = _engine(None, quantization, "ngram")
+    assert plain.quantization == ("gguf" if quantization == "auto" else quantization)
+    questions = [REWRITE, "List three uses of a paperclip.", "Write a haiku about the sea."]
+    prompts = [plain.encode(plain.render_chat([{"role": "user", "content": q}]))
+               for q in questions]
+    from specserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    a = plain.generate(prompts, params)
+    b = spec.generate(prompts, params)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+    assert b[0].timings.num_accepted > 0  # the rewrite copies from its prompt: drafts were used
+    one_by_one = [plain.generate([p], params)[0].token_ids for p in prompts]
+    assert one_by_one == [x.token_ids for x in a]  # batch of 3 == alone
+
+
+def test_quantized_hf_folder_speculation_equals_plain(text_model):
+    """An HF folder quantized at load (int4 and int8): greedy n-gram output equals plain."""
+    from specserve.sampling_params import SamplingParams
+
+    for quantization in ("int4", "int8"):
+        plain = _engine(text_model, quantization, "off")
+        spec = _engine(text_model, quantization, "ngram")
+        ids = plain.encode("one two three one two three one two")
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        assert (plain.generate([ids], params)[0].token_ids
+                == spec.generate([ids], params)[0].token_ids)
+
+
+def test_quantization_flag_errors():
+    from specserve.config import EngineConfig
+    from specserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="quantization must be"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ConfigError, match="compute in float32"):
+        EngineConfig(quantization="int4", dtype="bfloat16").resolve_dtype(
+            torch.device("cpu"), quantized=True
+        )
+
+
+def test_gguf_tensor_shape_errors_name_the_fix():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        from_gguf_blocks("Q8_0", np.zeros((2, 34), np.uint8), (2, 40))
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
+        from_gguf_blocks("Q6_K", np.zeros((2, 34), np.uint8), (2, 32))
