@@ -289,13 +289,13 @@ def test_row_plan_lookup():
 # ---- through the engine -----------------------------------------------------------------------
 
 
-def _engine(model: str | None, quantization: str, method: str, **kw):
+def _engine(model: str | None, quantization: str, method: str, max_model_len: int = 1024):
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
 
     return LLMEngine(EngineConfig(
         model=model, quantization=quantization, speculative_method=method, draft_model="none",
-        kv_cache_memory=128 << 20, max_model_len=1024, adaptive_speculation=False, **kw,
+        kv_cache_memory=128 << 20, max_model_len=max_model_len, adaptive_speculation=False,
     ))
 
 
@@ -332,8 +332,8 @@ def test_quantized_hf_folder_speculation_equals_plain(text_model):
     from specserve.sampling_params import SamplingParams
 
     for quantization in ("int4", "int8"):
-        plain = _engine(text_model, quantization, "off")
-        spec = _engine(text_model, quantization, "ngram")
+        plain = _engine(text_model, quantization, "off", 512)
+        spec = _engine(text_model, quantization, "ngram", 512)
         ids = plain.encode("one two three one two three one two")
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         assert (plain.generate([ids], params)[0].token_ids
