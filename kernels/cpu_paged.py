@@ -89,7 +89,10 @@ class CpuPagedAttention:
         if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
             return self._long.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
         plan: _Plan = meta.plan(self.name, lambda: _build_plan(meta, self.max_kernel_query))
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding)
+        if k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride(-2) == v.shape[-1]:
+            self._ext.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # one call, no copies
+        else:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding)
         window = sliding_window or 0
         if plan.rows is None:
             return self._ext.paged_attention(

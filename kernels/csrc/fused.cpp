@@ -131,6 +131,33 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
+// Query rows are taken in tiles of up to kTile consecutive positions of one sequence, so each
+// key and value row is read once per tile instead of once per query (a 2k-token prefill spent
+// most of its time re-reading the cache). Each query still computes its own scores, max, sum and
+// weighted values in key order with the same instructions: tiling changes no bits.
+constexpr int64_t kTile = 8;
+
+// k, v [T, KVH, D] (rows may be strided views of the fused qkv output): written into the cache
+// at slot_mapping first (slot -1: padding, not written), as kernels.torch_ref.write_kv does.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == D && v.stride(1) == D,
+              "k and v must be float32 [T, KVH, D] with contiguous rows");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
+              "slot_mapping must be int64 [T]");
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  const int64_t row = KVH * D;
+  for (int64_t t = 0; t < T; ++t) {
+    if (sm[t] < 0) continue;
+    std::copy(kp + t * k.stride(0), kp + t * k.stride(0) + row, kc + sm[t] * row);
+    std::copy(vp + t * v.stride(0), vp + t * v.stride(0) + row, vc + sm[t] * row);
+  }
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_of, const at::Tensor& pos_of, double scale,
@@ -144,6 +171,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), maxb = block_tables.size(1);
   const int64_t group = H / KVH;
+  TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256 (got ", D,
+              "); use --attention-backend torch");
   at::Tensor out = at::empty_like(q);
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(),
               *vp = v_cache.data_ptr<float>();
@@ -151,34 +180,64 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t *sq = seq_of.data_ptr<int64_t>(), *ps = pos_of.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = (float)scale;
-  at::parallel_for(0, T * H, 1, [&](int64_t b, int64_t e) {
+  // Tiles: runs of consecutive positions of one sequence, at most kTile rows each.
+  std::vector<int64_t> tile_start;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s0 = tile_start.empty() ? -1 : tile_start.back();
+    if (s0 < 0 || t - s0 >= kTile || sq[t] != sq[t - 1] || ps[t] != ps[t - 1] + 1)
+      tile_start.push_back(t);
+  }
+  const int64_t n_tiles = (int64_t)tile_start.size();
+  tile_start.push_back(T);
+  at::parallel_for(0, n_tiles * H, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores;
-    std::vector<float> acc(D);
+    std::vector<float> acc(kTile * D);
     for (int64_t th = b; th < e; ++th) {
-      const int64_t t = th / H, h = th % H, kvh = h / group;
-      const int64_t pos = ps[t];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const int32_t* table = bt + sq[t] * maxb;
-      const float* qv = qp + (t * H + h) * D;
-      scores.resize(pos - lo + 1);
-      float mx = -INFINITY;
-      for (int64_t j = lo; j <= pos; ++j) {
-        const int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
-        const float s = dot(qv, kp + (slot * KVH + kvh) * D, D) * sc;
-        scores[j - lo] = s;
-        mx = std::max(mx, s);
+      const int64_t tile = th / H, h = th % H, kvh = h / group;
+      const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
+      const int32_t* table = bt + sq[t0] * maxb;
+      int64_t lo[kTile], hi[kTile];
+      float mx[kTile], sum[kTile];
+      for (int64_t r = 0; r < nt; ++r) {
+        hi[r] = ps[t0 + r];
+        lo[r] = window > 0 ? std::max<int64_t>(0, hi[r] - window + 1) : 0;
+        mx[r] = -INFINITY;
+        sum[r] = 0.0f;
       }
-      float sum = 0.0f;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = lo; j <= pos; ++j) {
-        const float p = std::exp(scores[j - lo] - mx);
-        sum = sum + p;
+      const int64_t jlo = lo[0], jhi = hi[nt - 1], span = jhi - jlo + 1;
+      scores.resize(nt * span);
+      for (int64_t j = jlo; j <= jhi; ++j) {
         const int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
-        const float* vv = vp + (slot * KVH + kvh) * D;
-        for (int64_t i = 0; i < D; ++i) acc[i] = acc[i] + p * vv[i];
+        const float* kv = kp + (slot * KVH + kvh) * D;
+        for (int64_t r = 0; r < nt; ++r) {
+          if (j < lo[r] || j > hi[r]) continue;
+          const float s = dot(qp + ((t0 + r) * H + h) * D, kv, D) * sc;
+          scores[r * span + (j - jlo)] = s;
+          mx[r] = std::max(mx[r], s);
+        }
       }
-      float* o = op + (t * H + h) * D;
-      for (int64_t i = 0; i < D; ++i) o[i] = acc[i] / sum;
+      // Weighted values, one query at a time with its accumulators in registers (D a multiple
+      // of 8; D <= 256): p = exp(s - max) in key order, sum and acc += p * v in key order.
+      for (int64_t r = 0; r < nt; ++r) {
+        __m256 a[32];
+        const int64_t nv = D / 8;
+        for (int64_t i = 0; i < nv; ++i) a[i] = _mm256_setzero_ps();
+        const float* sr = scores.data() + r * span;
+        for (int64_t j = lo[r]; j <= hi[r]; ++j) {
+          const float p = std::exp(sr[j - jlo] - mx[r]);
+          sum[r] = sum[r] + p;
+          const int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
+          const float* vv = vp + (slot * KVH + kvh) * D;
+          const __m256 pv = _mm256_set1_ps(p);
+          for (int64_t i = 0; i < nv; ++i)
+            a[i] = _mm256_add_ps(a[i], _mm256_mul_ps(pv, _mm256_loadu_ps(vv + 8 * i)));
+        }
+        for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(acc.data() + r * D + 8 * i, a[i]);
+      }
+      for (int64_t r = 0; r < nt; ++r) {
+        float* o = op + ((t0 + r) * H + h) * D;
+        for (int64_t i = 0; i < D; ++i) o[i] = acc[r * D + i] / sum[r];
+      }
     }
   });
   return out;
@@ -192,4 +251,5 @@ void register_fused(pybind11::module& mod) {
   mod.def("rotary_qkv_", &rotary_qkv_);
   mod.def("silu_mul", &silu_mul);
   mod.def("paged_attention", &paged_attention);
+  mod.def("write_kv", &write_kv);
 }

@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -74,20 +75,24 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx) {
   }
 }
 
+// Per-call scratch for the quantized activations, kept per calling thread so a decode step's
+// 121 projections allocate nothing (the OpenMP workers only read it).
 struct QuantRows {
-  at::Tensor xq;  // [M, K] int8
-  at::Tensor dx;  // [M, KB] float32
-  at::Tensor sx;  // [M, KB] float32
+  std::vector<int8_t> xq;  // [M, K]
+  std::vector<float> dx;   // [M, KB] block scales
+  std::vector<float> sx;   // [M, KB] block float sums
 };
 
-QuantRows quantize_rows(const at::Tensor& x) {
+const QuantRows& quantize_rows(const at::Tensor& x) {
+  thread_local QuantRows q;
   const int64_t M = x.size(0), K = x.size(1), KB = K / QK;
-  QuantRows q{at::empty({M, K}, x.options().dtype(at::kChar)),
-              at::empty({M, KB}, x.options()), at::empty({M, KB}, x.options())};
+  q.xq.resize(M * K);
+  q.dx.resize(M * KB);
+  q.sx.resize(M * KB);
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = q.xq.data_ptr<int8_t>();
-  float* dp = q.dx.data_ptr<float>();
-  float* sp = q.sx.data_ptr<float>();
+  int8_t* qp = q.xq.data();
+  float* dp = q.dx.data();
+  float* sp = q.sx.data();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       quantize_row(xp + i * K, K, qp + i * K, dp + i * KB, sp + i * KB);
@@ -161,14 +166,14 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
               "rows_per_pass must be 1, 2 or 4");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  QuantRows xr = quantize_rows(x);
+  const QuantRows& xr = quantize_rows(x);
   const uint8_t* qsp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const float* dp = d.data_ptr<float>();
   const float* mp = q4 ? m->data_ptr<float>() : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const int8_t* xqp = xr.xq.data_ptr<int8_t>();
-  const float* dxp = xr.dx.data_ptr<float>();
-  const float* sxp = xr.sx.data_ptr<float>();
+  const int8_t* xqp = xr.xq.data();
+  const float* dxp = xr.dx.data();
+  const float* sxp = xr.sx.data();
   float* yp = y.data_ptr<float>();
   // Split over output features only: a row's sums never depend on the thread split.
   const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
@@ -189,14 +194,6 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   return y;
 }
 
-std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
-                  x.size(1) % QK == 0,
-              "x must be a contiguous float32 [M, K] tensor with K a multiple of 32");
-  QuantRows q = quantize_rows(x);
-  return {q.xq, q.dx, q.sx};
-}
-
 }  // namespace
 
 void register_fused(pybind11::module& mod);  // fused.cpp
@@ -205,6 +202,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   register_fused(mod);
   mod.def("block_linear", &block_linear,
           "y = x @ W^T for Q4_1 (m given) or Q8_0 (m None) block weights, int8 activations");
-  mod.def("quantize_activations", &quantize_activations,
-          "x -> (int8 blocks, block scales, block float sums), as block_linear quantizes x");
 }
