@@ -21,6 +21,7 @@ from kernels import quant_ext
 from kernels.metadata import AttentionMetadata
 from kernels.torch_ref import TorchPagedAttention, write_kv
 
+
 @dataclass
 class _Plan:
     rows: torch.Tensor | None  # [S] flat-batch rows taken by the kernel; None = all
@@ -74,6 +75,12 @@ class CpuPagedAttention:
         self._ext = quant_ext.load()
         self.max_kernel_query = max_kernel_query
         self._long = TorchPagedAttention()
+
+    def kernel_plan(self, meta: AttentionMetadata) -> _Plan | None:
+        """The step's plan when every row goes through the C++ kernel (what a fused decoder
+        layer needs: seq_of, pos_of), else None."""
+        plan: _Plan = meta.plan(self.name, lambda: _build_plan(meta, self.max_kernel_query))
+        return plan if plan.rows is None else None
 
     def forward(
         self,

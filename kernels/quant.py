@@ -165,9 +165,17 @@ class BlockQuantLinear(nn.Module):
     def weight(self) -> BlockQuantWeight:
         return BlockQuantWeight(self.fmt, self.qs, self.d, self.m)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+    def rows_per_pass(self, rows: int) -> int:
         plan = self.rows_plan
-        return self.run(x, 4 if plan is None else int(plan.get(x.shape[0])))
+        return 4 if plan is None else int(plan.get(rows))
+
+    @property
+    def planes(self) -> tuple:
+        """(qs, d, m or None, bias or None), as the C++ kernels take them."""
+        return self._planes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        return self.run(x, self.rows_per_pass(x.shape[0]))
 
     def run(self, x: torch.Tensor, rows_per_pass: int) -> torch.Tensor:
         ext = self._ext

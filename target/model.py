@@ -126,6 +126,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     fused: FusedOps | None = None
+    _layer_args: tuple | None = None  # cached by _whole_layer_args
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, **factory: object) -> None:
         super().__init__()
@@ -144,6 +145,17 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:  # [T, hidden]
         if self.fused is not None and h.dtype == torch.float32:
+            whole = self._whole_layer_args(backend, meta)
+            if whole is not None:  # the same kernels in one C++ call (kernels/csrc/fused.cpp)
+                attn = self.self_attn
+                rows = h.shape[0]
+                rpp = [p.rows_per_pass(rows) for p in whole[1]]
+                self.fused.decoder_layer_(
+                    h, *whole[0], rpp, rope[0], rope[1], attn.num_heads, attn.num_kv_heads,
+                    attn.head_dim, kv_cache[0], kv_cache[1], meta.block_tables, whole[2].seq_of,
+                    whole[2].pos_of, meta.slot_mapping, attn.scale, attn.sliding_window or 0,
+                )
+                return h
             # The same sums, fused: h += attn(norm1(h)) in place, norm2 from the new h.
             ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
             a = self.self_attn(
@@ -155,6 +167,34 @@ class DecoderLayer(nn.Module):
         # Same order of additions as transformers, so float32 results match bit for bit.
         h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta, backend, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+    def _whole_layer_args(self, backend: AttentionBackend, meta: AttentionMetadata
+                          ) -> tuple[tuple, list, Any] | None:
+        """(tensor args, projections, attention plan) for ``decoder_layer_`` when this layer
+        can run as one C++ call: every projection block-quantized, no q/k norm, and the C++
+        attention taking every row of the step. None otherwise."""
+        kernel_plan = getattr(backend, "kernel_plan", None)
+        plan = None if kernel_plan is None else kernel_plan(meta)
+        if plan is None:
+            return None
+        if self._layer_args is None:
+            from kernels.quant import BlockQuantLinear
+
+            a, m = self.self_attn, self.mlp
+            projections = [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
+            if a.q_norm is not None or not all(
+                isinstance(p, BlockQuantLinear) and p._ext is not None for p in projections
+            ):
+                self._layer_args = ()
+            else:
+                ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+                eps = ln1.eps
+                planes = [t for p in projections for t in p.planes]
+                self._layer_args = ((ln1.weight, ln2.weight, eps, *planes), projections)
+        if not self._layer_args or self.input_layernorm.eps != self.post_attention_layernorm.eps:
+            return None
+        return (*self._layer_args, plan)
 
 
 class CausalLM(nn.Module):
@@ -234,6 +274,8 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, MLP, DecoderLayer, RMSNorm)):
                 module.fused = ops
+            if isinstance(module, DecoderLayer):
+                module._layer_args = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (after the final norm) -> logits [N, vocab] float32 ([N, len(

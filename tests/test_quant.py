@@ -357,3 +357,33 @@ def test_gguf_tensor_shape_errors_name_the_fix():
         from_gguf_blocks("Q8_0", np.zeros((2, 34), np.uint8), (2, 40))
     with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
         from_gguf_blocks("Q6_K", np.zeros((2, 34), np.uint8), (2, 32))
+
+
+def test_whole_layer_call_equals_the_per_op_path(text_model, monkeypatch):
+    """``decoder_layer_`` (one C++ call per layer) computes exactly what the per-op fused
+    path of target/model.py does: same logits bit for bit, prefill and decode."""
+    from kernels.cpu_paged import CpuPagedAttention
+    from kernels.metadata import AttentionMetadata, token_positions
+    from target.loader import build_model
+    from target.model_runner import ModelRunner
+    from target.quantize import quantize_model
+
+    cfg, model = build_model(text_model, torch.float32, "cpu")
+    quantize_model(model, "int4", text_model)
+
+    def run() -> torch.Tensor:
+        runner = ModelRunner(cfg, model, num_blocks=8, block_size=4, dtype=torch.float32,
+                             device="cpu", attn_backend=CpuPagedAttention())
+        outs = []
+        for q_lens, ctx in (([6, 3], [6, 3]), ([1, 2], [7, 5])):
+            meta = AttentionMetadata.build(q_lens, ctx, [[0, 1], [2, 3]], 4)
+            ids = torch.arange(sum(q_lens)) + 5
+            outs.append(runner.forward(ids, token_positions(q_lens, ctx), meta)[0])
+        return torch.cat(outs)
+
+    whole = run()
+    monkeypatch.setattr(CpuPagedAttention, "kernel_plan", lambda self, meta: None)
+    for layer in model.layers:
+        layer._layer_args = None
+    per_op = run()
+    assert torch.equal(whole, per_op)

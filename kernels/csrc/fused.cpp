@@ -30,6 +30,24 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, sh));
 }
 
+// exp on 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial, scale by 2^n);
+// within 2 ulp of expf over [-87, 88]. Ours, so every row computes it the same way.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 n = _mm256_floor_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  const float c[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                     5.0000001201e-1f};
+  for (float ci : c) y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(ci));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(x, x)), x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
 // Sum of squares, 8 lanes then a fixed horizontal order; K need not be a multiple of 8.
 inline float sum_squares(const float* x, int64_t K) {
   __m256 acc = _mm256_setzero_ps();
@@ -113,11 +131,18 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const float* g = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
-      for (int64_t i = 0; i < I; ++i) {
-        const float a = g[t * 2 * I + i];
-        yp[t * I + i] = (a / (1.0f + std::exp(-a))) * g[t * 2 * I + I + i];
+    for (int64_t t = b; t < e; ++t) {
+      const float* gt = g + t * 2 * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {
+        const __m256 a = _mm256_loadu_ps(gt + i);
+        const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                         exp256(_mm256_sub_ps(_mm256_setzero_ps(), a)));
+        _mm256_storeu_ps(yp + t * I + i,
+                         _mm256_mul_ps(_mm256_div_ps(a, den), _mm256_loadu_ps(gt + I + i)));
       }
+      for (; i < I; ++i) yp[t * I + i] = (gt[i] / (1.0f + std::exp(-gt[i]))) * gt[I + i];
+    }
   });
   return y;
 }
@@ -131,10 +156,10 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
-// Query rows are taken in tiles of up to kTile consecutive positions of one sequence, so each
-// key and value row is read once per tile instead of once per query (a 2k-token prefill spent
-// most of its time re-reading the cache). Each query still computes its own scores, max, sum and
-// weighted values in key order with the same instructions: tiling changes no bits.
+// Query rows are taken in tiles of up to kTile consecutive positions of one sequence, which share
+// one lookup of the key/value row addresses (and find those rows warm in cache). Each query still
+// computes its own scores, max, sum and weighted values in key order with the same instructions:
+// tiling changes no bits.
 constexpr int64_t kTile = 8;
 
 // k, v [T, KVH, D] (rows may be strided views of the fused qkv output): written into the cache
@@ -156,6 +181,23 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
     std::copy(kp + t * k.stride(0), kp + t * k.stride(0) + row, kc + sm[t] * row);
     std::copy(vp + t * v.stride(0), vp + t * v.stride(0) + row, vc + sm[t] * row);
   }
+}
+
+// Four keys at once, each with exactly dot()'s instruction sequence (independent chains, so the
+// core overlaps them): out[c] = dot(q, keys[c]) * scale.
+inline void dot4(const float* q, const float* const* keys, int64_t D, float scale, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[0] + i), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[1] + i), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[2] + i), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[3] + i), a3);
+  }
+  out[0] = hsum8(a0) * scale;
+  out[1] = hsum8(a1) * scale;
+  out[2] = hsum8(a2) * scale;
+  out[3] = hsum8(a3) * scale;
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -191,61 +233,111 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   tile_start.push_back(T);
   at::parallel_for(0, n_tiles * H, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores;
-    std::vector<float> acc(kTile * D);
+    std::vector<const float*> keys, vals;
     for (int64_t th = b; th < e; ++th) {
       const int64_t tile = th / H, h = th % H, kvh = h / group;
       const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
       const int32_t* table = bt + sq[t0] * maxb;
       int64_t lo[kTile], hi[kTile];
-      float mx[kTile], sum[kTile];
       for (int64_t r = 0; r < nt; ++r) {
         hi[r] = ps[t0 + r];
         lo[r] = window > 0 ? std::max<int64_t>(0, hi[r] - window + 1) : 0;
-        mx[r] = -INFINITY;
-        sum[r] = 0.0f;
       }
       const int64_t jlo = lo[0], jhi = hi[nt - 1], span = jhi - jlo + 1;
       scores.resize(nt * span);
-      for (int64_t j = jlo; j <= jhi; ++j) {
+      keys.resize(span);
+      vals.resize(span);
+      for (int64_t j = jlo; j <= jhi; ++j) {  // row pointers once per tile, not per query
         const int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
-        const float* kv = kp + (slot * KVH + kvh) * D;
-        for (int64_t r = 0; r < nt; ++r) {
-          if (j < lo[r] || j > hi[r]) continue;
-          const float s = dot(qp + ((t0 + r) * H + h) * D, kv, D) * sc;
-          scores[r * span + (j - jlo)] = s;
-          mx[r] = std::max(mx[r], s);
-        }
+        keys[j - jlo] = kp + (slot * KVH + kvh) * D;
+        vals[j - jlo] = vp + (slot * KVH + kvh) * D;
       }
-      // Weighted values, one query at a time with its accumulators in registers (D a multiple
-      // of 8; D <= 256): p = exp(s - max) in key order, sum and acc += p * v in key order.
       for (int64_t r = 0; r < nt; ++r) {
-        __m256 a[32];
+        const float* qv = qp + ((t0 + r) * H + h) * D;
+        float* sr = scores.data() + r * span;
+        const int64_t a = lo[r] - jlo, z = hi[r] - jlo + 1;
+        int64_t j = a;
+        for (; j + 4 <= z; j += 4) dot4(qv, keys.data() + j, D, sc, sr + j);
+        for (; j < z; ++j) sr[j] = dot(qv, keys[j], D) * sc;
+        float m = -INFINITY;
+        for (j = a; j < z; ++j) m = std::max(m, sr[j]);
+        // p = exp(s - max) in place, summed in 8 lanes from the query's first key, then a fixed
+        // horizontal order and the tail: the same order for a query wherever it runs.
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 sv = _mm256_setzero_ps();
+        for (j = a; j + 8 <= z; j += 8) {
+          const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
+          _mm256_storeu_ps(sr + j, p);
+          sv = _mm256_add_ps(sv, p);
+        }
+        float sum = hsum8(sv);
+        for (; j < z; ++j) {
+          __m256 p = exp256(_mm256_set1_ps(sr[j] - m));
+          sr[j] = _mm256_cvtss_f32(p);
+          sum = sum + sr[j];
+        }
+        __m256 acc_v[32];
         const int64_t nv = D / 8;
-        for (int64_t i = 0; i < nv; ++i) a[i] = _mm256_setzero_ps();
-        const float* sr = scores.data() + r * span;
-        for (int64_t j = lo[r]; j <= hi[r]; ++j) {
-          const float p = std::exp(sr[j - jlo] - mx[r]);
-          sum[r] = sum[r] + p;
-          const int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
-          const float* vv = vp + (slot * KVH + kvh) * D;
-          const __m256 pv = _mm256_set1_ps(p);
+        for (int64_t i = 0; i < nv; ++i) acc_v[i] = _mm256_setzero_ps();
+        for (j = a; j < z; ++j) {
+          const __m256 pv = _mm256_set1_ps(sr[j]);
+          const float* vv = vals[j];
           for (int64_t i = 0; i < nv; ++i)
-            a[i] = _mm256_add_ps(a[i], _mm256_mul_ps(pv, _mm256_loadu_ps(vv + 8 * i)));
+            acc_v[i] = _mm256_add_ps(acc_v[i], _mm256_mul_ps(pv, _mm256_loadu_ps(vv + 8 * i)));
         }
-        for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(acc.data() + r * D + 8 * i, a[i]);
-      }
-      for (int64_t r = 0; r < nt; ++r) {
+        const __m256 inv = _mm256_set1_ps(sum);
         float* o = op + ((t0 + r) * H + h) * D;
-        for (int64_t i = 0; i < D; ++i) o[i] = acc[r * D + i] / sum[r];
+        for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_div_ps(acc_v[i], inv));
       }
     }
   });
   return out;
 }
 
+
 }  // namespace
 
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                        const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& bias,
+                        int64_t rows_per_pass);  // qgemm.cpp
+
+// One whole decoder layer of a block-quantized Llama-family model, in place on the residual
+// stream h [T, hidden]: the same kernels, in the same order, as the Python path of
+// target/model.py (DecoderLayer with fused ops), without ~15 Python-level calls per layer.
+// Projection p is (qs, d, m or None, bias or None); rpp: rows per pass for qkv, o, gate_up, down.
+void decoder_layer_(at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                    const at::Tensor& qkv_qs, const at::Tensor& qkv_d,
+                    const c10::optional<at::Tensor>& qkv_m,
+                    const c10::optional<at::Tensor>& qkv_b, const at::Tensor& o_qs,
+                    const at::Tensor& o_d, const c10::optional<at::Tensor>& o_m,
+                    const c10::optional<at::Tensor>& o_b, const at::Tensor& gu_qs,
+                    const at::Tensor& gu_d, const c10::optional<at::Tensor>& gu_m,
+                    const c10::optional<at::Tensor>& gu_b, const at::Tensor& dn_qs,
+                    const at::Tensor& dn_d, const c10::optional<at::Tensor>& dn_m,
+                    const c10::optional<at::Tensor>& dn_b, const std::vector<int64_t>& rpp,
+                    const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH,
+                    int64_t D, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& seq_of,
+                    const at::Tensor& pos_of, const at::Tensor& slot_mapping, double scale,
+                    int64_t window) {
+  TORCH_CHECK(rpp.size() == 4, "rpp needs 4 entries");
+  const int64_t T = h.size(0);
+  at::Tensor qkv = block_linear(rms_norm(h, ln1, eps), qkv_qs, qkv_d, qkv_m, qkv_b, rpp[0]);
+  rotary_qkv_(qkv, cos, sin, H, KVH, D);
+  const at::Tensor k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
+  const at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
+  write_kv(k, v, k_cache, v_cache, slot_mapping);
+  const at::Tensor q = qkv.narrow(1, 0, H * D).contiguous().view({T, H, D});
+  const at::Tensor o = paged_attention(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale,
+                                       window);
+  const at::Tensor a = block_linear(o.view({T, H * D}), o_qs, o_d, o_m, o_b, rpp[1]);
+  const at::Tensor x = add_rms_norm_(a, h, ln2, eps);
+  const at::Tensor gu = block_linear(x, gu_qs, gu_d, gu_m, gu_b, rpp[2]);
+  h.add_(block_linear(silu_mul(gu), dn_qs, dn_d, dn_m, dn_b, rpp[3]));
+}
+
 void register_fused(pybind11::module& mod) {
+  mod.def("decoder_layer_", &decoder_layer_);
   mod.def("rms_norm", &rms_norm);
   mod.def("add_rms_norm_", &add_rms_norm_);
   mod.def("rotary_qkv_", &rotary_qkv_);

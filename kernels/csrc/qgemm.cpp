@@ -153,6 +153,8 @@ void rows_kernel(int64_t n0, int64_t n1, int64_t i0, int64_t KB, int64_t N, cons
   }
 }
 
+}  // namespace
+
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                         const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& bias,
                         int64_t rows_per_pass) {
@@ -193,8 +195,6 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   });
   return y;
 }
-
-}  // namespace
 
 void register_fused(pybind11::module& mod);  // fused.cpp
 
