@@ -1,0 +1,90 @@
+"""Decode step time against context length at batch 1, and prefill time, for one engine config.
+Writes (or prints) a section of benchmarks/RESULTS.md.
+
+    python benchmarks/context_scaling.py [--model PATH] [--quantization auto] [--dtype float32]
+        [--contexts 512,2048,8192] [--steps 32] [--label NAME] [--no-write]
+
+For each context length: one prompt of that many tokens (a repeated paragraph, so the prefix
+cache is off to time the whole prefill), then ``--steps`` greedy decode steps. Reports the
+prefill seconds and the median decode step in ms. Run it for two configurations (or two
+commits, with ``--label``) in one sitting to compare them: each run writes its own section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
+from specserve.config import EngineConfig  # noqa: E402
+from specserve.engine import LLMEngine  # noqa: E402
+from specserve.sampling_params import SamplingParams  # noqa: E402
+
+PARAGRAPH = ("The committee met on Tuesday to review the budget, the schedule and the open "
+             "questions about the new library. ")
+
+
+def measure(engine: LLMEngine, context: int, steps: int) -> tuple[float, float]:
+    """(prefill seconds, median decode step seconds) for one prompt of ``context`` tokens."""
+    ids = (engine.encode(PARAGRAPH) * (context // 10 + 1))[:context]
+    rid = f"ctx-{context}"
+    engine.add_request(rid, ids, SamplingParams(max_tokens=steps + 1, temperature=0.0,
+                                                ignore_eos=True))
+    times: list[float] = []
+    first = None
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        if first is None:
+            first = dt  # the prefill step (with the prompt split in chunks: their sum)
+        else:
+            times.append(dt)
+    # A chunked prefill spreads over several steps: count those in the prefill, not decode.
+    chunks = -(-context // engine.config.max_num_batched_tokens)
+    prefill = (first or 0.0) + sum(times[: chunks - 1])
+    return prefill, statistics.median(times[chunks - 1:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--contexts", default="512,2048,8192")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--label", default=None, help="name of this configuration in the heading")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    engine = LLMEngine(EngineConfig(
+        model=args.model, quantization=args.quantization, dtype=args.dtype, draft_model="none",
+        enable_prefix_caching=False, max_model_len=max(contexts) + args.steps + 8,
+    ))
+    measure(engine, 64, 4)  # warm-up
+    lines = ["| context | prefill s | decode ms/step |", "|---|---|---|"]
+    for c in contexts:
+        prefill, step = measure(engine, c, args.steps)
+        lines.append(f"| {c} | {prefill:.2f} | {step * 1e3:.1f} |")
+        print(lines[-1], flush=True)
+    label = args.label or f"quantization {engine.quantization}"
+    heading = f"## Context scaling, {label}"
+    section = results_section(
+        heading, run_info(sys.argv[1:], program="python benchmarks/context_scaling.py"),
+        f"Batch 1, greedy, prefix cache off, {args.steps} decode steps per context (median).",
+        lines,
+    )
+    print(section)
+    if not args.no_write:
+        write_section(RESULTS_MD, heading, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
