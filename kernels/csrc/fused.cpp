@@ -156,10 +156,10 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
-// Query rows are taken in tiles of up to kTile consecutive positions of one sequence, which share
-// one lookup of the key/value row addresses (and find those rows warm in cache). Each query still
-// computes its own scores, max, sum and weighted values in key order with the same instructions:
-// tiling changes no bits.
+// Query rows are taken in tiles of up to kTile consecutive positions of one sequence; a tile and
+// one KV head's query heads read each key and value row once. Each query row still computes its
+// own scores, max, sum and weighted values in key order with the same instructions: tiling and
+// grouping change no bits.
 constexpr int64_t kTile = 8;
 
 // k, v [T, KVH, D] (rows may be strided views of the fused qkv output): written into the cache
@@ -183,21 +183,18 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   }
 }
 
-// Four keys at once, each with exactly dot()'s instruction sequence (independent chains, so the
-// core overlaps them): out[c] = dot(q, keys[c]) * scale.
-inline void dot4(const float* q, const float* const* keys, int64_t D, float scale, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+// N query rows against one key, each with exactly dot()'s instruction sequence (N independent
+// chains the core overlaps): out[c * stride] = dot(q[c], k) * scale.
+template <int N>
+inline void dot_rows(const float* const* q, const float* k, int64_t D, float scale, float* out,
+                     int64_t stride) {
+  __m256 a[N];
+  for (int c = 0; c < N; ++c) a[c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < D; i += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + i);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[0] + i), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[1] + i), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[2] + i), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[3] + i), a3);
+    const __m256 kv = _mm256_loadu_ps(k + i);
+    for (int c = 0; c < N; ++c) a[c] = _mm256_fmadd_ps(_mm256_loadu_ps(q[c] + i), kv, a[c]);
   }
-  out[0] = hsum8(a0) * scale;
-  out[1] = hsum8(a1) * scale;
-  out[2] = hsum8(a2) * scale;
-  out[3] = hsum8(a3) * scale;
+  for (int c = 0; c < N; ++c) out[c * stride] = hsum8(a[c]) * scale;
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -213,7 +210,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), maxb = block_tables.size(1);
   const int64_t group = H / KVH;
-  TORCH_CHECK(D % 8 == 0 && D <= 256, "head_dim must be a multiple of 8, at most 256 (got ", D,
+  TORCH_CHECK(D % 8 == 0 && D <= 256 && group <= 32, "head_dim must be a multiple of 8, at "
+              "most 256, and at most 32 query heads per KV head (got ", D, ", ", group,
               "); use --attention-backend torch");
   at::Tensor out = at::empty_like(q);
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(),
@@ -231,12 +229,24 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   }
   const int64_t n_tiles = (int64_t)tile_start.size();
   tile_start.push_back(T);
-  at::parallel_for(0, n_tiles * H, 1, [&](int64_t b, int64_t e) {
+  // One work item = one tile of positions x `sub` query heads of one KV head. With a long
+  // context all the group's heads share an item, so each key and value row is read once for
+  // them all (a 2k-8k cache does not fit in L2, and reading it per head was memory-bound); with
+  // a short one, one head per item spreads the work over the threads. Either way every query row
+  // runs the same instructions, so the split changes no bits.
+  int64_t max_pos = 0;
+  for (int64_t t = 0; t < T; ++t) max_pos = std::max(max_pos, ps[t]);
+  const int64_t sub = max_pos >= 1024 ? group : 1;
+  const int64_t parts = group / sub;
+  at::parallel_for(0, n_tiles * KVH * parts, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores;
     std::vector<const float*> keys, vals;
-    for (int64_t th = b; th < e; ++th) {
-      const int64_t tile = th / H, h = th % H, kvh = h / group;
+    std::vector<float> acc;
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t tile = item / (KVH * parts), kvh = item / parts % KVH, part = item % parts;
+      const int64_t hbase = kvh * group + part * sub;  // first query head of this item
       const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
+      const int64_t R = nt * sub;  // query rows of this item: (position x / sub, head x % sub)
       const int32_t* table = bt + sq[t0] * maxb;
       int64_t lo[kTile], hi[kTile];
       for (int64_t r = 0; r < nt; ++r) {
@@ -244,50 +254,89 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
         lo[r] = window > 0 ? std::max<int64_t>(0, hi[r] - window + 1) : 0;
       }
       const int64_t jlo = lo[0], jhi = hi[nt - 1], span = jhi - jlo + 1;
-      scores.resize(nt * span);
+      scores.resize(R * span);
       keys.resize(span);
       vals.resize(span);
-      for (int64_t j = jlo; j <= jhi; ++j) {  // row pointers once per tile, not per query
+      acc.assign(R * D, 0.0f);
+      for (int64_t j = jlo; j <= jhi; ++j) {
         const int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
         keys[j - jlo] = kp + (slot * KVH + kvh) * D;
         vals[j - jlo] = vp + (slot * KVH + kvh) * D;
       }
-      for (int64_t r = 0; r < nt; ++r) {
-        const float* qv = qp + ((t0 + r) * H + h) * D;
-        float* sr = scores.data() + r * span;
-        const int64_t a = lo[r] - jlo, z = hi[r] - jlo + 1;
-        int64_t j = a;
-        for (; j + 4 <= z; j += 4) dot4(qv, keys.data() + j, D, sc, sr + j);
-        for (; j < z; ++j) sr[j] = dot(qv, keys[j], D) * sc;
+      auto qrow = [&](int64_t x) {  // query row x of this item -> its q vector
+        return qp + ((t0 + x / sub) * H + hbase + x % sub) * D;
+      };
+      // Scores: each key row once for all R query rows, up to 4 rows' dot products as
+      // independent chains. Rows are scored at every key of the tile's span; a row never reads
+      // a score outside its own [lo, hi].
+      const float* qs4[4];
+      for (int64_t j = 0; j < span; ++j) {
+        const float* kv = keys[j];
+        for (int64_t x = 0; x < R; x += 4) {
+          const int64_t c = std::min<int64_t>(4, R - x);
+          for (int64_t u = 0; u < c; ++u) qs4[u] = qrow(x + u);
+          float* out = scores.data() + x * span + j;
+          if (c == 4) dot_rows<4>(qs4, kv, D, sc, out, span);
+          else if (c == 3) dot_rows<3>(qs4, kv, D, sc, out, span);
+          else if (c == 2) dot_rows<2>(qs4, kv, D, sc, out, span);
+          else dot_rows<1>(qs4, kv, D, sc, out, span);
+        }
+      }
+      // Per query row: max, p = exp(s - max) in place (8 lanes from its first key, then a fixed
+      // horizontal order and the tail), sum.
+      float sums[kTile * 32];
+      for (int64_t x = 0; x < R; ++x) {
+        const int64_t r = x / sub;
+        float* sr = scores.data() + x * span;
+        const int64_t a0 = lo[r] - jlo, z = hi[r] - jlo + 1;
         float m = -INFINITY;
-        for (j = a; j < z; ++j) m = std::max(m, sr[j]);
-        // p = exp(s - max) in place, summed in 8 lanes from the query's first key, then a fixed
-        // horizontal order and the tail: the same order for a query wherever it runs.
+        for (int64_t j = a0; j < z; ++j) m = std::max(m, sr[j]);
         const __m256 mv = _mm256_set1_ps(m);
         __m256 sv = _mm256_setzero_ps();
-        for (j = a; j + 8 <= z; j += 8) {
+        int64_t j = a0;
+        for (; j + 8 <= z; j += 8) {
           const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
           _mm256_storeu_ps(sr + j, p);
           sv = _mm256_add_ps(sv, p);
         }
         float sum = hsum8(sv);
         for (; j < z; ++j) {
-          __m256 p = exp256(_mm256_set1_ps(sr[j] - m));
-          sr[j] = _mm256_cvtss_f32(p);
+          sr[j] = _mm256_cvtss_f32(exp256(_mm256_set1_ps(sr[j] - m)));
           sum = sum + sr[j];
         }
-        __m256 acc_v[32];
-        const int64_t nv = D / 8;
-        for (int64_t i = 0; i < nv; ++i) acc_v[i] = _mm256_setzero_ps();
-        for (j = a; j < z; ++j) {
-          const __m256 pv = _mm256_set1_ps(sr[j]);
-          const float* vv = vals[j];
+        sums[x] = sum;
+      }
+      // Weighted values: each value row once (in registers) for all R rows, in key order.
+      const int64_t nv = D / 8;
+      if (R == 1) {  // one row (a decode): its accumulators stay in registers, same sums
+        __m256 a1[32];
+        for (int64_t i = 0; i < nv; ++i) a1[i] = _mm256_setzero_ps();
+        for (int64_t j = lo[0] - jlo; j <= hi[0] - jlo; ++j) {
+          const __m256 pv = _mm256_set1_ps(scores[j]);
           for (int64_t i = 0; i < nv; ++i)
-            acc_v[i] = _mm256_add_ps(acc_v[i], _mm256_mul_ps(pv, _mm256_loadu_ps(vv + 8 * i)));
+            a1[i] = _mm256_add_ps(a1[i], _mm256_mul_ps(pv, _mm256_loadu_ps(vals[j] + 8 * i)));
         }
-        const __m256 inv = _mm256_set1_ps(sum);
-        float* o = op + ((t0 + r) * H + h) * D;
-        for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_div_ps(acc_v[i], inv));
+        for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(acc.data() + 8 * i, a1[i]);
+      }
+      for (int64_t j = 0; j < span && R > 1; ++j) {
+        __m256 v[32];
+        for (int64_t i = 0; i < nv; ++i) v[i] = _mm256_loadu_ps(vals[j] + 8 * i);
+        for (int64_t x = 0; x < R; ++x) {
+          const int64_t r = x / sub;
+          if (j + jlo < lo[r] || j + jlo > hi[r]) continue;
+          const __m256 pv = _mm256_set1_ps(scores[x * span + j]);
+          float* ax = acc.data() + x * D;
+          for (int64_t i = 0; i < nv; ++i)
+            _mm256_storeu_ps(ax + 8 * i, _mm256_add_ps(_mm256_loadu_ps(ax + 8 * i),
+                                                       _mm256_mul_ps(pv, v[i])));
+        }
+      }
+      for (int64_t x = 0; x < R; ++x) {
+        const __m256 inv = _mm256_set1_ps(sums[x]);
+        float* o = op + ((t0 + x / sub) * H + hbase + x % sub) * D;
+        for (int64_t i = 0; i < nv; ++i)
+          _mm256_storeu_ps(o + 8 * i, _mm256_div_ps(_mm256_loadu_ps(acc.data() + x * D + 8 * i),
+                                                    inv));
       }
     }
   });
