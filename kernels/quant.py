@@ -170,6 +170,11 @@ class BlockQuantLinear(nn.Module):
         return 4 if plan is None else int(plan.get(rows))
 
     @property
+    def has_kernel(self) -> bool:
+        """True when the C++ block kernels run this layer (else: dequantized, dense)."""
+        return self._ext is not None
+
+    @property
     def planes(self) -> tuple:
         """(qs, d, m or None, bias or None), as the C++ kernels take them."""
         return self._planes

@@ -168,7 +168,6 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta, backend, rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-
     def _whole_layer_args(self, backend: AttentionBackend, meta: AttentionMetadata
                           ) -> tuple[tuple, list, Any] | None:
         """(tensor args, projections, attention plan) for ``decoder_layer_`` when this layer
@@ -182,17 +181,17 @@ class DecoderLayer(nn.Module):
             from kernels.quant import BlockQuantLinear
 
             a, m = self.self_attn, self.mlp
+            ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
             projections = [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
-            if a.q_norm is not None or not all(
-                isinstance(p, BlockQuantLinear) and p._ext is not None for p in projections
-            ):
-                self._layer_args = ()
-            else:
-                ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-                eps = ln1.eps
-                planes = [t for p in projections for t in p.planes]
-                self._layer_args = ((ln1.weight, ln2.weight, eps, *planes), projections)
-        if not self._layer_args or self.input_layernorm.eps != self.post_attention_layernorm.eps:
+            runs_whole = (
+                a.q_norm is None and ln1.eps == ln2.eps
+                and all(isinstance(p, BlockQuantLinear) and p.has_kernel for p in projections)
+            )
+            planes = [t for p in projections for t in p.planes] if runs_whole else []
+            self._layer_args = (
+                ((ln1.weight, ln2.weight, ln1.eps, *planes), projections) if runs_whole else ()
+            )
+        if not self._layer_args:
             return None
         return (*self._layer_args, plan)
 
