@@ -197,6 +197,22 @@ inline void dot_rows(const float* const* q, const float* k, int64_t D, float sca
   for (int c = 0; c < N; ++c) out[c * stride] = hsum8(a[c]) * scale;
 }
 
+// One query row against four keys, each key with exactly dot()'s instruction sequence.
+inline void dot_keys4(const float* q, const float* const* k, int64_t D, float scale, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + i), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + i), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + i), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + i), a3);
+  }
+  out[0] = hsum8(a0) * scale;
+  out[1] = hsum8(a1) * scale;
+  out[2] = hsum8(a2) * scale;
+  out[3] = hsum8(a3) * scale;
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_of, const at::Tensor& pos_of, double scale,
@@ -270,7 +286,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
       // independent chains. Rows are scored at every key of the tile's span; a row never reads
       // a score outside its own [lo, hi].
       const float* qs4[4];
-      for (int64_t j = 0; j < span; ++j) {
+      if (R == 1) {  // one row (a decode): four keys at a time as independent chains instead
+        const float* q1 = qrow(0);
+        int64_t j = 0;
+        for (; j + 4 <= span; j += 4) dot_keys4(q1, keys.data() + j, D, sc, scores.data() + j);
+        for (; j < span; ++j) dot_rows<1>(&q1, keys[j], D, sc, scores.data() + j, span);
+      }
+      for (int64_t j = 0; j < span && R > 1; ++j) {
         const float* kv = keys[j];
         for (int64_t x = 0; x < R; x += 4) {
           const int64_t c = std::min<int64_t>(4, R - x);
