@@ -79,8 +79,10 @@ def load() -> ModuleType:
     return module
 
 
+@functools.cache
 def available() -> bool:
-    """True when the extension is (or can be) built and loaded on this machine."""
+    """True when the extension is (or can be) built and loaded on this machine. Cached, so a
+    machine without a compiler tries (and warns) once, not once per layer."""
     try:
         load()
         return True
