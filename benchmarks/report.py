@@ -49,25 +49,17 @@ def run_info(argv: list[str], program: str = "python -m benchmarks") -> RunInfo:
     import torch
     import transformers
 
+    from kernels.tuner import cpu_model  # one reading of the CPU model for tuner and reports
+
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return RunInfo(
-        machine=f"{platform.system()} {platform.machine()}", cpu=_cpu_name(),
+        machine=f"{platform.system()} {platform.machine()}", cpu=cpu_model(),
         cpu_count=os.cpu_count() or 0, torch_threads=torch.get_num_threads(),
         torch=str(torch.__version__), transformers=str(transformers.__version__), gpu=gpu,
         python=platform.python_version(), commit=_commit(),
         command=f"{program} {shlex.join(argv)}".rstrip(),
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _commit() -> str:

@@ -246,35 +246,6 @@ def test_speculative_ab_same_greedy_text(server):
     assert texts["off"] == texts["ngram"]
 
 
-def test_default_model_native_4bit_speculation_same_text_over_http():
-    """The built-in model with the server's defaults (its Q4_1/Q8_0 blocks, the shipped draft):
-    per-request speculation off / ngram / draft gives the same greedy chat answer, over HTTP.
-    The second and third requests of a prompt hit the prefix cache, so this also checks that a
-    cached prefix changes no bits."""
-    srv = ServerThread(
-        EngineConfig(kv_cache_memory=128 << 20, max_model_len=1024, adaptive_speculation=False),
-        ServerConfig(port=0, api_key=KEY, served_model_name=NAME),
-    )
-    try:
-        assert srv.engine.engine.quantization == "gguf"
-        questions = ["Rewrite in the past tense: The cat sits on the mat. The cat sleeps there.",
-                     "List three uses of a paperclip.", "What is the capital of France?"]
-        for q in questions:
-            texts = {}
-            for method in ("off", "ngram", "draft"):
-                status, resp = http("POST", srv.url + "/v1/chat/completions", {
-                    "model": NAME, "messages": [{"role": "user", "content": q}],
-                    "max_tokens": 40, "temperature": 0,
-                    "speculative": {"method": method, "num_tokens": 4},
-                })
-                assert status == 200, resp
-                texts[method] = resp["choices"][0]["message"]["content"]
-            assert texts["off"] == texts["ngram"] == texts["draft"], texts
-            assert texts["off"]
-    finally:
-        srv.stop()
-
-
 GOOD = {"model": NAME, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
 BAD = [
     ({"model": NAME, "max_tokens": 2}, "prompt"),
