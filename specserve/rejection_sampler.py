@@ -108,6 +108,8 @@ def rejection_sample(
         )
     if num_rows == 0:
         return SpecDecodeResult([], [], [])
+    if all(_plain_greedy(r) for r in rows):
+        return _greedy_fast(target_logits, rows)
     device = target_logits.device
     max_k = max(ks)
 
@@ -150,6 +152,36 @@ def rejection_sample(
     acc_list, last_list = num_accepted.tolist(), last_token.tolist()
     token_ids = [r.draft_token_ids[:a] + [t] for r, a, t in zip(rows, acc_list, last_list)]
     return SpecDecodeResult(token_ids, acc_list, _logprobs(logits, rows, token_ids, pos_start))
+
+
+def _plain_greedy(row: SpecDecodeRow) -> bool:
+    """Greedy, no logprobs, no min_tokens ban in reach: the target's argmax alone decides."""
+    req = row.request
+    params = req.params
+    return (
+        params.greedy
+        and params.logprobs is None
+        and (not req.banned_until_min_tokens or params.min_tokens <= req.num_output_tokens)
+    )
+
+
+def _greedy_fast(target_logits: torch.Tensor, rows: list[SpecDecodeRow]) -> SpecDecodeResult:
+    """The common all-greedy step in one argmax and one host copy: the general path's index
+    maps and masks cost ~0.6 ms at batch 1, a twentieth of a decode step. Same tokens: the
+    argmax of the same float32 logits, and drafts accepted while they equal it."""
+    argmax = target_logits.float().argmax(dim=-1).tolist()  # [sum(k + 1)]
+    token_ids: list[list[int]] = []
+    num_accepted: list[int] = []
+    start = 0
+    for r in rows:
+        drafts = r.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == argmax[start + accepted]:
+            accepted += 1
+        token_ids.append(drafts[:accepted] + [argmax[start + accepted]])
+        num_accepted.append(accepted)
+        start += len(drafts) + 1
+    return SpecDecodeResult(token_ids, num_accepted, [[None] * len(t) for t in token_ids])
 
 
 def _mask_min_tokens(

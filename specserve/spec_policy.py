@@ -35,18 +35,37 @@ class _LinearCost:
 
     def __init__(self, fixed: float, per_unit: float, window: int = 256) -> None:
         self.samples: deque[tuple[float, float]] = deque(maxlen=window)
-        self.fixed, self.per_unit = fixed, per_unit
+        self._fixed, self._per_unit = fixed, per_unit
+        self._stale = False
 
     def add(self, units: float, seconds: float) -> None:
+        # Every step records; only a step that prices speculation reads: fit on read (a fit
+        # over the window is ~0.1 ms, 1% of a batch-1 decode step).
         self.samples.append((units, seconds))
+        self._stale = True
+
+    @property
+    def fixed(self) -> float:
+        self._fit()
+        return self._fixed
+
+    @property
+    def per_unit(self) -> float:
+        self._fit()
+        return self._per_unit
+
+    def _fit(self) -> None:
+        if not self._stale:
+            return
+        self._stale = False
         if len(self.samples) >= 3:
             x = np.array([s[0] for s in self.samples])
             y = np.array([s[1] for s in self.samples])
             if np.ptp(x) > 0:
                 slope, intercept = np.polyfit(x, y, 1)
-                self.fixed, self.per_unit = max(float(intercept), 0.0), max(float(slope), 0.0)
+                self._fixed, self._per_unit = max(float(intercept), 0.0), max(float(slope), 0.0)
             else:
-                self.fixed = max(float(y.mean()) - self.per_unit * float(x[0]), 0.0)
+                self._fixed = max(float(y.mean()) - self._per_unit * float(x[0]), 0.0)
 
     def __call__(self, units: float) -> float:
         return self.fixed + self.per_unit * units
@@ -67,14 +86,23 @@ class _StepCost:
         self.prior = prior
         self.per_count = per_count
         self.recent: dict[int, deque[float]] = {}  # one key per step size seen: bounded
-        self.median: dict[int, float] = {}
+        self._median: dict[int, float] = {}
+        self._stale: set[int] = set()  # counts whose median changed since it was last read
 
     def add(self, units: int, seconds: float) -> None:
         self.linear.add(units, seconds)
         window = self.recent.setdefault(units, deque(maxlen=self.per_count))
         window.append(seconds)
         if len(window) >= _MIN_SAMPLES:
-            self.median[units] = float(np.median(window))
+            self._stale.add(units)
+
+    @property
+    def median(self) -> dict[int, float]:
+        """Median seconds per measured count, recomputed on read for counts seen since."""
+        for units in self._stale:
+            self._median[units] = float(np.median(self.recent[units]))
+        self._stale.clear()
+        return self._median
 
     def __call__(self, units: int) -> float:
         measured = self.median.get(units)

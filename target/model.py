@@ -204,6 +204,11 @@ class CausalLM(nn.Module):
     follows ``.to(device)`` (and ``forward`` moves it if ``positions`` live elsewhere).
     """
 
+    fused_ops: FusedOps | None = None  # set by enable_fused_ops
+    use_decoder_stack: bool = True  # False: one Python call per layer (tests compare the two)
+    _stack: Any = None  # kernels' DecoderStack, built on the first step that can use it
+    _kv_flat: tuple[Any, list[torch.Tensor]] = (None, [])  # (kv_caches, its 2L tensors)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -236,6 +241,7 @@ class CausalLM(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> CausalLM:
         """``.to(device)`` / ``.cuda()`` also move the rotary table (kept in float32)."""
         super()._apply(fn, recurse)
+        self._stack = None  # it holds the old weight tensors
         device = self.embed_tokens.weight.device
         if device.type != "meta":
             self.rotary.inv_freq = self.rotary.inv_freq.to(device)
@@ -260,12 +266,49 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # once per step, for all layers
         rope = (cos[:, 0].contiguous(), sin[:, 0].contiguous())  # [T, D] each
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(positions, h, kv_cache, meta, attn_backend, rope)
+        stack = self._decoder_stack(attn_backend, meta)
+        if stack is not None:  # every layer in one C++ call (kernels/csrc/stack.cpp)
+            run, projections, plan = stack
+            rows = h.shape[0]
+            if self._kv_flat[0] is not kv_caches:
+                self._kv_flat = (kv_caches, [t for kv in kv_caches for t in kv])
+            run.forward_(
+                h, [p.rows_per_pass(rows) for p in projections], rope[0], rope[1],
+                self._kv_flat[1], meta.block_tables, plan.seq_of, plan.pos_of, meta.slot_mapping,
+            )
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                h = layer(positions, h, kv_cache, meta, attn_backend, rope)
         if logits_indices is not None:
             h = h[logits_indices]  # [N, hidden]
         h = self.norm(h)  # [N, hidden]; RMSNorm is per row, so selecting first is exact
         return self.compute_logits(h), h
+
+    def _decoder_stack(self, backend: AttentionBackend, meta: AttentionMetadata
+                       ) -> tuple[Any, list, Any] | None:
+        """(DecoderStack, layer 0's projections, attention plan) when every layer can run as
+        one ``decoder_layer_`` call (see DecoderLayer._whole_layer_args), else None. The stack
+        holds the weights from the first such step on; it runs the same per-layer arithmetic,
+        so it is a pure saving of Python work (``use_decoder_stack = False`` turns it off)."""
+        if not self.use_decoder_stack or self.fused_ops is None:
+            return None
+        whole = [layer._whole_layer_args(backend, meta) for layer in self.layers[:1]]
+        if whole[0] is None:
+            return None
+        if self._stack is None:
+            whole = [layer._whole_layer_args(backend, meta) for layer in self.layers]
+            if any(w is None for w in whole):
+                self.use_decoder_stack = False  # mixed layers: keep the per-layer calls
+                return None
+            attn = self.layers[0].self_attn
+            stack = self.fused_ops.DecoderStack(
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale
+            )
+            for layer, (args, _, _) in zip(self.layers, whole):
+                ln1, ln2, eps, *planes = args
+                stack.add_layer(ln1, ln2, eps, planes, layer.self_attn.sliding_window or 0)
+            self._stack = stack
+        return self._stack, whole[0][1], whole[0][2]
 
     def enable_fused_ops(self, ops: FusedOps | None) -> None:
         """Routes norms, rotary, SiLU*mul and residual adds through the fused float32 CPU ops
@@ -275,6 +318,8 @@ class CausalLM(nn.Module):
                 module.fused = ops
             if isinstance(module, DecoderLayer):
                 module._layer_args = None
+        self.fused_ops = ops
+        self._stack = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (after the final norm) -> logits [N, vocab] float32 ([N, len(

@@ -247,8 +247,8 @@ def test_tuner_picks_the_faster_candidate_and_caches(tmp_path, monkeypatch):
     from kernels import linear, tuner
     from kernels.linear import DenseLinear
 
-    def slow(x, w, b):
-        time.sleep(0.002)
+    def slow(x, w, b):  # 20 ms: far above a scheduler hiccup on a busy 2-core machine
+        time.sleep(0.02)
         return F.linear(x, w, b)
 
     monkeypatch.setattr(linear, "DENSE_KERNELS", {"slow": slow, "fast": F.linear})
@@ -360,8 +360,9 @@ def test_gguf_tensor_shape_errors_name_the_fix():
 
 
 def test_whole_layer_call_equals_the_per_op_path(text_model, monkeypatch):
-    """``decoder_layer_`` (one C++ call per layer) computes exactly what the per-op fused
-    path of target/model.py does: same logits bit for bit, prefill and decode."""
+    """``DecoderStack`` (every layer in one C++ call), ``decoder_layer_`` (one C++ call per
+    layer) and the per-op fused path of target/model.py compute exactly the same logits, bit
+    for bit, prefill, decode and verify rows."""
     from kernels.cpu_paged import CpuPagedAttention
     from kernels.metadata import AttentionMetadata, token_positions
     from target.loader import build_model
@@ -375,13 +376,17 @@ def test_whole_layer_call_equals_the_per_op_path(text_model, monkeypatch):
         runner = ModelRunner(cfg, model, num_blocks=8, block_size=4, dtype=torch.float32,
                              device="cpu", attn_backend=CpuPagedAttention())
         outs = []
-        for q_lens, ctx in (([6, 3], [6, 3]), ([1, 2], [7, 5])):
+        for q_lens, ctx in (([6, 3], [6, 3]), ([1, 2], [7, 5]), ([3, 1], [8, 6])):
             meta = AttentionMetadata.build(q_lens, ctx, [[0, 1], [2, 3]], 4)
             ids = torch.arange(sum(q_lens)) + 5
             outs.append(runner.forward(ids, token_positions(q_lens, ctx), meta)[0])
         return torch.cat(outs)
 
+    stack = run()
+    assert model._stack is not None and model._stack.num_layers() == len(model.layers)
+    model.use_decoder_stack = False
     whole = run()
+    assert torch.equal(stack, whole)
     monkeypatch.setattr(CpuPagedAttention, "kernel_plan", lambda self, meta: None)
     for layer in model.layers:
         layer._layer_args = None

@@ -84,6 +84,23 @@ def test_greedy_mixed_k_batch_equals_rows_alone():
     assert out.token_ids == [c[2][: a + 1] for c, a in zip(cases, out.num_accepted)]
 
 
+
+def test_greedy_fast_path_equals_general_path():
+    """All-greedy steps without logprobs take a short path (one argmax); asking for logprobs
+    forces the general path, which must pick the same tokens on the same logits."""
+    gen = torch.Generator().manual_seed(7)
+    cases = [greedy_case(k, a, 64, gen) for k, a in [(4, 2), (0, 0), (5, 5), (3, 0), (2, 1)]]
+    logits = torch.cat([c[0] for c in cases])
+    fast = rejection_sample(logits, [SpecDecodeRow(req(GREEDY), c[1]) for c in cases], None)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=64, logprobs=0)
+    general = rejection_sample(
+        logits, [SpecDecodeRow(req(with_logprobs), c[1]) for c in cases], None
+    )
+    assert fast.token_ids == general.token_ids
+    assert fast.num_accepted == general.num_accepted == [2, 0, 5, 0, 1]
+    assert all(lp is None for row in fast.logprobs for lp in row)
+
+
 # --------------------------------------------------------------------------- distribution
 
 VOCAB = 6
