@@ -91,6 +91,7 @@ class FinishedSequence:
     num_prompt_tokens: int
     tenant: str = ""
     aborted: bool = False
+    method: str = ""  # the speculative method the request asked for (may be "auto" / "off")
 
 
 @runtime_checkable
@@ -107,6 +108,8 @@ class Proposer(Protocol):
 
     def finish(self, done: FinishedSequence) -> None: ...
 
+    def clear(self, tenant: str | None = None) -> None: ...
+
 
 class StatelessProposer:
     """Defaults for proposers without KV or per-sequence state."""
@@ -118,4 +121,8 @@ class StatelessProposer:
         return [c.kv_computed for c in chunks]
 
     def finish(self, done: FinishedSequence) -> None:
+        return None
+
+    def clear(self, tenant: str | None = None) -> None:
+        """Forget what was learned across requests (one tenant's part, or all)."""
         return None

@@ -142,7 +142,10 @@ class SuffixProposer(StatelessProposer):
         self.own.pop(done.seq_id, None)
         self._last.pop(done.seq_id, None)
         output = list(done.token_ids[done.num_prompt_tokens :])
-        if self.options.scope == "global" and output:
+        # Learn only from requests that asked for suffix decoding (directly or through auto):
+        # a server that never uses it keeps no cache, and A/B runs of other methods do not
+        # feed it.
+        if self.options.scope == "global" and output and done.method in ("suffix", "auto"):
             self.insert(done.tenant, output)
 
     def insert(self, tenant_id: str, tokens: list[int]) -> None:
@@ -169,9 +172,9 @@ class SuffixProposer(StatelessProposer):
             if not holder.trie.docs:
                 del self.tenants[old_tenant]
 
-    def clear(self, tenant_id: str | None = None) -> None:
+    def clear(self, tenant: str | None = None) -> None:
         """Empties the global cache: one tenant's part, or all of it (None)."""
-        drop = set(self.tenants) if tenant_id is None else {tenant_id}
+        drop = set(self.tenants) if tenant is None else {tenant}
         for t in drop & set(self.tenants):
             del self.tenants[t]
         kept = [e for e in self._fifo if e[0] not in drop]

@@ -25,11 +25,19 @@ _ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "draft_model": ("draft model for speculative decoding, same tokenizer as the target; "
                     "'none' for no draft (default: the shipped distilled draft when the target "
                     "is the built-in model)", str),
-    "speculative_method": ("draft | ngram | off (default: draft if a draft is loaded, else off)",
-                           str),
+    "speculative_method": ("draft | ngram | suffix | auto | off (auto: per step and sequence, "
+                           "the proposer with the best expected goodput; default: draft if a "
+                           "draft is loaded, else off)", str),
     "num_speculative_tokens": ("k_max: most draft tokens verified per step (0-16)", int),
     "prompt_lookup_min": ("n-gram proposer: shortest n-gram to match", int),
     "prompt_lookup_max": ("n-gram proposer: longest n-gram to match (tried first)", int),
+    "suffix_speculative_tokens": ("k_max of suffix decoding (and auto's suffix drafts): a long "
+                                  "match may draft this many tokens (0-16)", int),
+    "suffix_cache_tokens": ("suffix decoding: global cache bound, in output tokens over all "
+                            "tenants; the oldest outputs are evicted first", int),
+    "suffix_cache_scope": ("suffix decoding: request (each request's own text only) | global "
+                           "(also earlier outputs of the same API key)", str),
+    "suffix_max_depth": ("suffix decoding: longest substring the suffix trie counts", int),
     "dtype": ("auto | float32 | bfloat16 | float16 (auto: bf16 on GPU/bf16 CPUs, else fp32)", str),
     "quantization": ("auto | none | int4 | int8: weight-only block quantization of the target's "
                      "projections (auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks on CPU, else none)",

@@ -128,7 +128,7 @@ def test_global_drafts_match_reference_with_eviction(seed):
         held: list[list[int]] = []
         for i in range(rng.randint(1, 8)):
             out = random_text(rng, rng.randint(1, 40))
-            prop.finish(FinishedSequence(i, [1, 2] + out, 2, tenant="t"))
+            prop.finish(FinishedSequence(i, [1, 2] + out, 2, tenant="t", method="suffix"))
             if len(out) <= bound:
                 held.append(out)
                 while sum(map(len, held)) > bound:
@@ -208,11 +208,11 @@ def test_global_cache_respects_its_token_bound():
     rng = random.Random(3)
     for i in range(50):
         out = [rng.randrange(30) for _ in range(rng.randint(1, 40))]
-        prop.finish(FinishedSequence(i, [0] + out, 1, tenant=rng.choice("ab")))
+        prop.finish(FinishedSequence(i, [0] + out, 1, tenant=rng.choice("ab"), method="suffix"))
         assert prop.cached_tokens <= 100
         held = sum(t.trie.num_tokens for t in prop.tenants.values())
         assert held == prop.cached_tokens
-    prop.finish(FinishedSequence(99, [0] + [1] * 101, 1))  # larger than the bound: skipped
+    prop.finish(FinishedSequence(99, [0] + [1] * 101, 1, method="suffix"))  # larger than the bound: skipped
     assert prop.cached_tokens <= 100
     prop.clear("a")
     assert "a" not in prop.tenants
@@ -223,7 +223,7 @@ def test_global_cache_respects_its_token_bound():
 def test_tenant_never_drafts_from_another_tenants_output():
     secret = list(range(500, 540))
     prop = SuffixProposer(SuffixOptions())
-    prop.finish(FinishedSequence(1, [9, 9] + secret, 2, tenant="key-a"))
+    prop.finish(FinishedSequence(1, [9, 9] + secret, 2, tenant="key-a", method="suffix"))
     ask = secret[:10]  # a context that continues exactly like tenant A's output
     same = prop.draft(ProposalRequest(2, ask, 8, tenant="key-a"))
     other = prop.draft(ProposalRequest(3, ask, 8, tenant="key-b"))
@@ -231,10 +231,18 @@ def test_tenant_never_drafts_from_another_tenants_output():
     assert other.tokens == [] and other.source == "none"
 
 
+def test_only_requests_that_use_suffix_decoding_feed_the_cache():
+    prop = SuffixProposer(SuffixOptions())
+    prop.finish(FinishedSequence(1, [9] + list(range(40)), 1, method="ngram"))
+    assert prop.cached_tokens == 0
+    prop.finish(FinishedSequence(2, [9] + list(range(40)), 1, method="auto"))
+    assert prop.cached_tokens == 40
+
+
 def test_request_scope_keeps_nothing_after_the_request():
     secret = list(range(500, 540))
     prop = SuffixProposer(SuffixOptions(scope="request"))
     prop.draft(ProposalRequest(1, [9] + secret, 4))
-    prop.finish(FinishedSequence(1, [9] + secret, 1))
+    prop.finish(FinishedSequence(1, [9] + secret, 1, method="suffix"))
     assert not prop.own and not prop.tenants
     assert prop.draft(ProposalRequest(2, secret[:10], 8)).tokens == []
