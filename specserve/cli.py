@@ -121,9 +121,10 @@ def add_serve_parser(sub) -> None:
     group = srv.add_argument_group("server")
     group.add_argument("--host", default=d.host, help=f"address to listen on [default: {d.host}]")
     group.add_argument("--port", type=int, default=d.port, help=f"TCP port [default: {d.port}]")
-    group.add_argument("--api-key", default=d.api_key,
-                       help="require `Authorization: Bearer KEY` on /v1/* and /ws "
-                            "[default: None, no auth]")
+    group.add_argument("--api-key", action="append", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1/* and /ws; repeat it "
+                            "for several keys, each its own tenant (suffix decoding never "
+                            "drafts from another key's outputs) [default: None, no auth]")
     group.add_argument("--max-queue-len", type=int, default=d.max_queue_len,
                        help="sequences that may wait beyond --max-num-seqs before requests get "
                             f"429 [default: {d.max_queue_len}]")

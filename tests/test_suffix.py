@@ -212,7 +212,8 @@ def test_global_cache_respects_its_token_bound():
         assert prop.cached_tokens <= 100
         held = sum(t.trie.num_tokens for t in prop.tenants.values())
         assert held == prop.cached_tokens
-    prop.finish(FinishedSequence(99, [0] + [1] * 101, 1, method="suffix"))  # larger than the bound: skipped
+    # An output larger than the whole bound is skipped.
+    prop.finish(FinishedSequence(99, [0] + [1] * 101, 1, method="suffix"))
     assert prop.cached_tokens <= 100
     prop.clear("a")
     assert "a" not in prop.tenants
@@ -246,3 +247,20 @@ def test_request_scope_keeps_nothing_after_the_request():
     prop.finish(FinishedSequence(1, [9] + secret, 1, method="suffix"))
     assert not prop.own and not prop.tenants
     assert prop.draft(ProposalRequest(2, secret[:10], 8)).tokens == []
+
+
+def test_draft_package_imports_no_engine_internals():
+    """Proposers take plain inputs: nothing in draft/ imports the engine's Sequence or sampler."""
+    import ast
+    from pathlib import Path
+
+    banned = {"specserve.sequence", "specserve.sampling"}
+    for path in Path(__file__).parents[1].joinpath("draft").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = {node.module or ""}
+            elif isinstance(node, ast.Import):
+                names = {a.name for a in node.names}
+            else:
+                continue
+            assert not names & banned, (path.name, names)
