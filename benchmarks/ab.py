@@ -3,7 +3,12 @@ proposer, on the same model, prompts, dtype and greedy settings. Writes a RESULT
 
     python benchmarks/ab.py [--model PATH] [--draft-model PATH] [--prompts rewrite]
         [--num-prompts N] [--new-tokens 96] [--k 4] [--batch-sizes 1,8] [--repeats 3]
-        [--fixed-k] [--num-threads N] [--no-write]
+        [--modes off,ngram,suffix,auto] [--fixed-k] [--num-threads N] [--no-write]
+
+``--prompts`` names benchmarks/prompts/<name>.json (user messages) or
+benchmarks/workloads/<name>.json (whole chats, e.g. agentic, templated). Every mode run starts
+with an empty suffix cache (so no mode drafts from another mode's or repeat's outputs; within a
+run, later requests do learn from earlier ones, as a server would).
 
 Batch 1 runs every prompt alone, one after another; batch B runs one closed batch of B requests
 cycling through the prompts.
@@ -34,6 +39,7 @@ from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa:
 
 def run(engine, waves, params, method, k):
     """Each wave is one closed batch, run to completion before the next; tok/s over them all."""
+    engine.clear_speculation_caches()
     t0 = time.perf_counter()
     outs = []
     for prompts in waves:
@@ -49,6 +55,8 @@ def run(engine, waves, params, method, k):
         "drafted": drafted,
         "accepted": accepted,
         "mean_accepted_len": (accepted + steps) / steps if steps else None,
+        # proposer time per verify step (n-gram / suffix drafting, draft-model forwards)
+        "propose_ms": sum(o.timings.draft_ms for o in outs) / steps if steps else None,
     }
 
 
@@ -64,6 +72,9 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fixed-k", action="store_true", help="turn adaptive speculation off")
+    ap.add_argument("--modes", default=None,
+                    help="comma list of off, ngram, suffix, auto, draft (default: off, ngram "
+                         "and draft when a draft model is given)")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -73,10 +84,17 @@ def main() -> int:
         adaptive_speculation=not args.fixed_k, num_speculative_tokens=args.k,
         num_threads=args.num_threads, draft_model=args.draft_model or "none",
     ))
-    texts = json.loads((ROOT / "prompts" / f"{args.prompts}.json").read_text())
+    source = ROOT / "prompts" / f"{args.prompts}.json"
+    if not source.exists():
+        source = ROOT / "workloads" / f"{args.prompts}.json"
+    texts = json.loads(source.read_text())
     texts = texts[: args.num_prompts]
-    chats = [engine.encode(engine.render_chat([{"role": "user", "content": t}])) for t in texts]
+    chats = [engine.encode(engine.render_chat(
+        t if isinstance(t, list) else [{"role": "user", "content": t}])) for t in texts]
     modes = ["off", "ngram"] + (["draft"] if args.draft_model else [])
+    if args.modes:
+        modes = args.modes.split(",")
+        assert modes[0] == "off", "the first mode is the baseline: off"
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0)
     engine.generate(chats[:1], SamplingParams(max_tokens=8))  # warm-up, not measured
 
@@ -103,18 +121,20 @@ def main() -> int:
                 "ratio_max": max(ratios),
                 "acceptance": last["accepted"] / last["drafted"] if last["drafted"] else None,
                 "mean_accepted_len": last["mean_accepted_len"],
+                "propose_ms": last["propose_ms"],
             }
             table.append(row)
             print(json.dumps(row), flush=True)
 
     lines = ["| batch | mode | tok/s | vs off (median, min..max) | acceptance | "
-             "tokens per verify |", "|---|---|---|---|---|---|"]
+             "tokens per verify | proposer ms per verify |", "|---|---|---|---|---|---|---|"]
     for r in table:
         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         mal = f"{r['mean_accepted_len']:.2f}" if r["mean_accepted_len"] else "-"
+        pms = f"{r['propose_ms']:.2f}" if r["propose_ms"] is not None else "-"
         lines.append(
             f"| {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | {r['ratio']:.2f}x "
-            f"({r['ratio_min']:.2f}..{r['ratio_max']:.2f}) | {acc} | {mal} |"
+            f"({r['ratio_min']:.2f}..{r['ratio_max']:.2f}) | {acc} | {mal} | {pms} |"
         )
     heading = f"## Speculative decoding: offline A/B ({args.prompts} prompts)"
     section = results_section(
@@ -123,7 +143,7 @@ def main() -> int:
         f"Model `{engine.model_path.split('/')[-1]}`"
         + (f", draft `{args.draft_model}`" if args.draft_model else "")
         + f", dtype {args.dtype}, greedy, {args.new_tokens} new tokens, prompts "
-        f"benchmarks/prompts/{args.prompts}.json ({len(texts)} prompts), k_max {args.k}, "
+        f"{source.relative_to(ROOT.parent)} ({len(texts)} prompts), k_max {args.k}, "
         f"adaptive k {not args.fixed_k}, {args.repeats} interleaved repeats. "
         f"Outputs identical to plain decoding: {not failures}.",
         lines,

@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from draft.base import Proposal, ProposalRequest
+from draft.base import Proposal, ProposalRequest, StatelessProposer
 
 
 def _continuation(tokens: np.ndarray, min_n: int, max_n: int) -> int | None:
@@ -75,7 +75,7 @@ def find_ngram_draft(
     return tokens[:0] if begin is None else tokens[begin : begin + k]
 
 
-class NgramProposer:
+class NgramProposer(StatelessProposer):
     """Prompt lookup decoding over each request's own prompt + output tokens.
 
     Deterministic and stateless: the same tokens always give the same draft, and

@@ -25,11 +25,19 @@ _ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "draft_model": ("draft model for speculative decoding, same tokenizer as the target; "
                     "'none' for no draft (default: the shipped distilled draft when the target "
                     "is the built-in model)", str),
-    "speculative_method": ("draft | ngram | off (default: draft if a draft is loaded, else off)",
-                           str),
+    "speculative_method": ("draft | ngram | suffix | auto | off (auto: per step and sequence, "
+                           "the proposer with the best expected goodput; default: draft if a "
+                           "draft is loaded, else off)", str),
     "num_speculative_tokens": ("k_max: most draft tokens verified per step (0-16)", int),
     "prompt_lookup_min": ("n-gram proposer: shortest n-gram to match", int),
     "prompt_lookup_max": ("n-gram proposer: longest n-gram to match (tried first)", int),
+    "suffix_speculative_tokens": ("k_max of suffix decoding (and auto's suffix drafts): a long "
+                                  "match may draft this many tokens (0-16)", int),
+    "suffix_cache_tokens": ("suffix decoding: global cache bound, in output tokens over all "
+                            "tenants; the oldest outputs are evicted first", int),
+    "suffix_cache_scope": ("suffix decoding: request (each request's own text only) | global "
+                           "(also earlier outputs of the same API key)", str),
+    "suffix_max_depth": ("suffix decoding: longest substring the suffix trie counts", int),
     "dtype": ("auto | float32 | bfloat16 | float16 (auto: bf16 on GPU/bf16 CPUs, else fp32)", str),
     "quantization": ("auto | none | int4 | int8: weight-only block quantization of the target's "
                      "projections (auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks on CPU, else none)",
@@ -113,9 +121,10 @@ def add_serve_parser(sub) -> None:
     group = srv.add_argument_group("server")
     group.add_argument("--host", default=d.host, help=f"address to listen on [default: {d.host}]")
     group.add_argument("--port", type=int, default=d.port, help=f"TCP port [default: {d.port}]")
-    group.add_argument("--api-key", default=d.api_key,
-                       help="require `Authorization: Bearer KEY` on /v1/* and /ws "
-                            "[default: None, no auth]")
+    group.add_argument("--api-key", action="append", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1/* and /ws; repeat it "
+                            "for several keys, each its own tenant (suffix decoding never "
+                            "drafts from another key's outputs) [default: None, no auth]")
     group.add_argument("--max-queue-len", type=int, default=d.max_queue_len,
                        help="sequences that may wait beyond --max-num-seqs before requests get "
                             f"429 [default: {d.max_queue_len}]")

@@ -22,11 +22,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # small LM with the target's tokenizer, for method "draft"; None: the shipped draft when the
     # target is the built-in model; "none": no draft
     draft_model: str | None = None
-    speculative_method: str | None = None  # draft | ngram | off; None = draft if a draft is set
+    # a draft.registry name (draft | ngram | suffix), auto or off; None = draft if a draft is set
+    speculative_method: str | None = None
     num_speculative_tokens: int = 4  # k_max: the most draft tokens verified per step
     adaptive_speculation: bool = True  # choose k <= k_max per sequence and step from costs
     prompt_lookup_min: int = 1  # n-gram proposer: shortest n-gram matched
     prompt_lookup_max: int = 4  # n-gram proposer: longest n-gram matched (tried first)
+    suffix_speculative_tokens: int = 16  # k_max of suffix decoding (long matches draft long)
+    suffix_cache_tokens: int = 1 << 18  # global suffix cache bound (output tokens, all tenants)
+    suffix_cache_scope: str = "global"  # request | global (per tenant = API key)
+    suffix_max_depth: int = 32  # longest substring the suffix trie counts
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # auto | none | int4 | int8: weight-only block quantization of the target's projections
     # (target/quantize.py). auto: a GGUF's own Q4/Q8 blocks on CPU, else none
@@ -50,10 +55,22 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self.validate()
 
     def validate(self) -> None:
-        if self.speculative_method not in (None, "draft", "ngram", "off"):
-            raise ConfigError(
-                f"speculative-method must be draft, ngram or off (got {self.speculative_method!r})"
-            )
+        from draft.registry import REGISTRY
+
+        methods = REGISTRY.methods()
+        if self.speculative_method is not None and self.speculative_method not in methods:
+            raise ConfigError(f"speculative-method must be one of {', '.join(methods)} "
+                              f"(got {self.speculative_method!r})")
+        if not 0 <= self.suffix_speculative_tokens <= 16:
+            raise ConfigError(f"suffix-speculative-tokens must be in [0, 16] "
+                              f"(got {self.suffix_speculative_tokens})")
+        if self.suffix_cache_scope not in ("request", "global"):
+            raise ConfigError(f"suffix-cache-scope must be request or global "
+                              f"(got {self.suffix_cache_scope!r})")
+        if self.suffix_cache_tokens < 0:
+            raise ConfigError(f"suffix-cache-tokens must be >= 0 (got {self.suffix_cache_tokens})")
+        if not 2 <= self.suffix_max_depth <= 256:
+            raise ConfigError(f"suffix-max-depth must be in [2, 256] (got {self.suffix_max_depth})")
         if self.speculative_method == "draft" and self.draft_model == "none":
             raise ConfigError("speculative-method draft needs a draft model (not --draft-model "
                               "none)")

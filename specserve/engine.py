@@ -14,7 +14,6 @@ from collections.abc import Iterable
 
 import torch
 
-from draft.model_proposer import DraftModelProposer
 from kernels import quant_ext
 from kernels.metadata import AttentionMetadata, token_positions
 from kernels.registry import get_attention_backend
@@ -96,7 +95,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = self._eos_ids()
         self.generator = torch.Generator().manual_seed(config.seed)
-        draft = None
+        draft_runner = None
         if draft_model is not None and self.draft_config is not None:
             # Same block ids, separate KV tensors: one block table serves both models.
             draft_runner = ModelRunner(
@@ -104,13 +103,12 @@ class LLMEngine:
                 block_size=config.block_size, dtype=self.dtype, device=self.device,
                 attn_backend=self.attn_backend,
             )
-            draft = DraftModelProposer(draft_runner, config.block_size, config.seed)
             # One span per draft forward (each draft step) without touching the proposer.
             draft_model.register_forward_pre_hook(lambda *_: self.tracer.begin("draft_forward"))
             draft_model.register_forward_hook(lambda *_: self.tracer.end())
         self.kernel_table = self._tune_kernels(model, draft_model)
         self.speculator = Speculator(
-            config, draft, self.generator,
+            config, draft_runner, self.generator,
             None if self.kernel_table is None else self.kernel_table.projection_seconds,
         )
         self.requests: dict[str, RequestState] = {}
@@ -219,6 +217,7 @@ class LLMEngine:
         params.validate()
         seq = Sequence(next(self._seq_ids), request_id, ids, params)
         seq.spec_method, seq.spec_k_max = self._resolve_speculation(speculative)
+        seq.spec_tenant = speculative.tenant if speculative else ""
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -234,11 +233,13 @@ class LLMEngine:
     def _resolve_speculation(self, spec: SpeculativeParams | None) -> tuple[str, int]:
         method = (spec.method if spec else None) or self.config.default_speculative_method
         k = spec.num_tokens if spec and spec.num_tokens is not None else None
-        if k is None:
-            k = self.config.num_speculative_tokens
-        if method == "draft" and self.speculator.draft is None:
+        if k is None:  # suffix drafts are as long as their match: they get their own k_max
+            cfg = self.config
+            k = (cfg.suffix_speculative_tokens if method in ("suffix", "auto")
+                 else cfg.num_speculative_tokens)
+        if not self.speculator.available(method):
             raise InvalidRequestError(
-                "speculative.method 'draft' needs a server started with --draft-model",
+                f"speculative.method {method!r} needs a server started with --draft-model",
                 param="speculative.method",
             )
         return (method, k) if method != "off" and k > 0 else ("off", 0)
@@ -253,6 +254,10 @@ class LLMEngine:
         self.speculator.forget(state.seq)
         state.abort()
         return state.make_output()
+
+    def clear_speculation_caches(self, tenant: str | None = None) -> None:
+        """Empties the suffix decoding cache (one tenant's part, or all)."""
+        self.speculator.clear_caches(tenant)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -69,22 +69,25 @@ class SamplingParams:
             )
 
 
-_SPEC_METHODS = ("draft", "ngram", "off")
-
-
 @dataclass
 class SpeculativeParams:
     """Per-request speculation override (the ``speculative`` request field), for A/B runs:
     ``method`` None keeps the server's method, ``num_tokens`` None keeps its k_max; method "off"
-    or num_tokens 0 decodes plainly through the same engine."""
+    or num_tokens 0 decodes plainly through the same engine. ``tenant`` is set by the server
+    (from the API key), never by the client: suffix decoding drafts only from that tenant's
+    earlier outputs."""
 
     method: str | None = None
     num_tokens: int | None = None
+    tenant: str = ""
 
     def __post_init__(self) -> None:
-        if self.method is not None and self.method not in _SPEC_METHODS:
+        from draft.registry import REGISTRY
+
+        methods = REGISTRY.methods()
+        if self.method is not None and self.method not in methods:
             raise InvalidRequestError(
-                f"speculative.method must be one of {', '.join(_SPEC_METHODS)} "
+                f"speculative.method must be one of {', '.join(methods)} "
                 f"(got {self.method!r})",
                 param="speculative.method",
             )

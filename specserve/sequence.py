@@ -58,12 +58,16 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    # Speculation: method for this request ("off" | "draft" | "ngram"), its most draft tokens per
-    # step, the k chosen for the next step, and how many tokens the draft model has KV for.
+    # Speculation: method for this request (a draft.registry name, "auto" or "off"), its most
+    # draft tokens per step, the method and k chosen for the next step (auto picks per step),
+    # how many tokens the draft model has KV for, and the tenant whose cached outputs may feed
+    # its drafts (the API key's; "" on a single-tenant server).
     spec_method: str = "off"
     spec_k_max: int = 0
+    spec_step_method: str = "off"
     spec_k: int = 0
     draft_num_computed: int = 0
+    spec_tenant: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     timings: SequenceTimings = field(default_factory=SequenceTimings)

@@ -16,7 +16,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -140,8 +140,11 @@ class Server:
                    P.speculative_params(req), clamp, req.stream if stream is None else stream,
                    bool(req.stream_options and req.stream_options.include_usage), logprobs)
 
-    async def admit(self, job: Job) -> list[RequestStream]:
-        reqs = [(f"{job.id}-{i}", prompt, params, job.spec)
+    async def admit(self, job: Job, tenant: str = "") -> list[RequestStream]:
+        """``tenant``: the caller's API-key tenant (``tenant_of``); speculation drafts only
+        from that tenant's cached outputs."""
+        spec = replace(job.spec or SpeculativeParams(), tenant=tenant)
+        reqs = [(f"{job.id}-{i}", prompt, params, spec)
                 for i, (prompt, params) in enumerate(job.seqs)]
         return await self.engine.add_requests(reqs, clamp_max_tokens=job.clamp)
 
@@ -179,6 +182,15 @@ class Server:
 APP_KEY = web.AppKey("specserve", Server)
 # The one log line's fields, filled by the handler, written by the middleware.
 LOG_KEY: Any = web.RequestKey("specserve_log", dict) if hasattr(web, "RequestKey") else "log"
+# The caller's tenant, set by the middleware from the API key.
+TENANT_KEY: Any = (web.RequestKey("specserve_tenant", str) if hasattr(web, "RequestKey")
+                   else "tenant")
+
+
+def tenant_of(request: web.Request) -> str:
+    """The request's tenant: a digest of its API key ("" when the server has no keys). Caches
+    keep the digest, never the key."""
+    return request.get(TENANT_KEY, "")
 
 
 def _json(obj: object, status: int = 200) -> web.Response:
@@ -196,11 +208,14 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     endpoint = route.canonical if route is not None else "unmatched"
     t0 = time.perf_counter()
     try:
-        key = server.config.api_key
-        if key and (request.path.startswith("/v1/") or request.path == "/ws"):
-            if request.headers.get("Authorization", "") != f"Bearer {key}":
+        keys = server.config.tenants
+        if keys and (request.path.startswith("/v1/") or request.path == "/ws"):
+            auth = request.headers.get("Authorization", "")
+            tenant = keys.get(auth[len("Bearer "):]) if auth.startswith("Bearer ") else None
+            if tenant is None:
                 raise ApiError(401, "missing or wrong API key: send `Authorization: Bearer KEY`",
                                "authentication_error", code="invalid_api_key")
+            request[TENANT_KEY] = tenant
         resp = await handler(request)
     except (asyncio.CancelledError, ConnectionResetError):
         server.metrics.observe_request(endpoint, "disconnected")
@@ -238,7 +253,7 @@ async def _api(request: web.Request, kind: str) -> web.StreamResponse:
     if not server.engine.ready:  # cheap early answer; add_requests checks again
         raise EngineUnavailableError(f"the engine is not ready ({server.engine.state})")
     job = server.parse(kind, await _body(request))
-    streams = await server.admit(job)
+    streams = await server.admit(job, tenant_of(request))
     finals: list[RequestOutput | None] = [None] * len(streams)
     if not job.stream:
         async for i, out in server.outputs(streams):

@@ -5,6 +5,8 @@ The ``serve`` CLI fills it flag for flag (``--max-queue-len`` -> ``max_queue_len
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 
 from specserve.errors import ConfigError
@@ -17,12 +19,13 @@ class ServerConfig(msgspec.Struct, kw_only=True):
 
     Admission: at most ``max_num_seqs + max_queue_len`` sequences are unfinished at once (running
     plus waiting for a slot); a request that would exceed that gets 429 instead of queueing
-    without bound. ``api_key`` None disables authentication.
+    without bound. ``api_key`` None disables authentication; several keys are several
+    tenants (each key is its own tenant for the suffix decoding cache).
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # clients send `Authorization: Bearer KEY`
+    api_key: str | list[str] | None = None  # clients send `Authorization: Bearer KEY`
     max_queue_len: int = 256  # sequences allowed to wait beyond max_num_seqs before 429
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     served_model_name: str | None = None  # None: the --model value, or the built-in name
@@ -39,10 +42,21 @@ class ServerConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(f"max-queue-len must be >= 0 (got {self.max_queue_len})")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max-body-bytes must be >= 1024 (got {self.max_body_bytes})")
-        if self.api_key is not None and not self.api_key:
+        if self.api_key is not None and (not self.api_key or not all(self.keys)):
             raise ConfigError("api-key must not be empty (omit it to disable authentication)")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"shutdown-timeout must be >= 0 (got {self.shutdown_timeout})")
+
+    @property
+    def keys(self) -> list[str]:
+        if self.api_key is None:
+            return []
+        return [self.api_key] if isinstance(self.api_key, str) else list(self.api_key)
+
+    @property
+    def tenants(self) -> dict[str, str]:
+        """API key -> its tenant id (a digest: caches never hold the key itself)."""
+        return {k: hashlib.sha256(k.encode()).hexdigest()[:16] for k in self.keys}
 
     def model_name(self, model: str | None) -> str:
         """The name /v1/models reports and requests may ask for."""

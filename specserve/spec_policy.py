@@ -164,7 +164,8 @@ class SpeculationPolicy:
         self.target_cost = _StepCost(fixed=0.05, per_unit=0.001, prior=projection_seconds)
         self.draft_cost = _LinearCost(fixed=0.01, per_unit=0.0005)
         self.global_stats: dict[str, AcceptanceStats] = {}
-        self.seq_stats: dict[int, AcceptanceStats] = {}
+        # seq id -> method -> its acceptance (a sequence under `auto` tries several methods)
+        self.seq_stats: dict[int, dict[str, AcceptanceStats]] = {}
 
     # ---- measurements -------------------------------------------------------------------
 
@@ -177,7 +178,8 @@ class SpeculationPolicy:
     def record_acceptance(self, seq_id: int, method: str, drafts: int, accepted: int) -> None:
         if drafts <= 0:
             return
-        self.seq_stats.setdefault(seq_id, AcceptanceStats()).update(drafts, accepted)
+        per_method = self.seq_stats.setdefault(seq_id, {})
+        per_method.setdefault(method, AcceptanceStats()).update(drafts, accepted)
         self.global_stats.setdefault(method, AcceptanceStats()).update(drafts, accepted, 0.99)
 
     def forget(self, seq_id: int) -> None:
@@ -185,7 +187,8 @@ class SpeculationPolicy:
 
     def acceptance_rate(self, seq_id: int, method: str) -> float:
         prior = self.global_stats.get(method, AcceptanceStats()).rate(0.6)
-        return self.seq_stats.get(seq_id, AcceptanceStats()).rate(prior)
+        stats = self.seq_stats.get(seq_id, {}).get(method)
+        return (stats or AcceptanceStats()).rate(prior)
 
     # ---- decision -----------------------------------------------------------------------
 
@@ -195,8 +198,9 @@ class SpeculationPolicy:
             return {c.key: c.k_max for c in candidates}
         ks = self._model_choice(candidates, num_other_tokens)
         for c in candidates:
-            if ks[c.key] == 0 and c.key in self.seq_stats:
-                self.seq_stats[c.key].relax()
+            if ks[c.key] == 0:
+                for stats in self.seq_stats.get(c.key, {}).values():
+                    stats.relax()
         return ks
 
     def _model_choice(self, candidates: list[Candidate], num_other_tokens: int) -> dict[int, int]:

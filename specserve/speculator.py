@@ -1,12 +1,19 @@
 """Speculator: the engine's speculative-decoding hooks, in the order a step calls them.
 
-    choose_k()        before scheduling: each decoding sequence's k for this step (policy)
-    draft_prefill()   after scheduling: the draft model computes KV for this step's prefill chunks
+    choose_k()        before scheduling: each decoding sequence's method and k for this step
+    draft_prefill()   after scheduling: model proposers compute KV for this step's prefill chunks
     propose()         draft tokens for every scheduled sequence with num_lookahead > 0
     verify()          rejection sampling of the target's logits against the drafts
-    after_verify()    acceptance statistics, draft-KV bookkeeping
+    after_verify()    acceptance statistics, proposer-KV bookkeeping
+    forget()          the sequence ended: proposers drop its state (and may learn from it)
 
-The engine stays one straight-line step; everything specific to drafting lives here.
+Proposers come from ``draft.registry`` by name; nothing here names a particular one. Proposers
+without a model (n-gram, suffix) only read tokens, so they draft already in ``choose_k``: the
+policy then sees each sequence's real draft length (k never exceeds it) and ``auto`` sees what
+a cheap proposer has to offer before it pays for a draft model. ``auto`` picks, per sequence and
+step, the method with the best expected goodput: expected tokens per verify (from the draft's
+length and the sequence's measured acceptance for that method) over the step's cost (verify rows,
+plus the draft model's sequential forwards); the batch policy then cuts k, to 0 when nothing pays.
 """
 
 from __future__ import annotations
@@ -17,55 +24,89 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft.base import ProposalRequest
-from draft.model_proposer import DraftModelProposer
-from draft.ngram import NgramProposer
+from draft.base import DraftSampling, FinishedSequence, PrefillChunk, ProposalRequest, Proposer
+from draft.registry import AUTO, OFF, REGISTRY, ProposerContext, ProposerRegistry
+from draft.suffix import SuffixOptions
 from specserve.config import EngineConfig
 from specserve.rejection_sampler import SpecDecodeResult, SpecDecodeRow, rejection_sample
-from specserve.sampling import SampleRequest
+from specserve.sampling import SampleRequest, sampling_probs
 from specserve.scheduler import ScheduledBatch, ScheduledSeq
 from specserve.sequence import Sequence
-from specserve.spec_policy import Candidate, SpeculationPolicy
+from specserve.spec_policy import Candidate, SpeculationPolicy, expected_tokens
+
+_AUTO_CHEAP = "suffix"  # auto's model-free candidate (suffix decoding subsumes prompt lookup)
 
 
 @dataclass
 class Drafts:
     """Draft tokens of one step, per sequence id, and the draft probabilities of the model
-    drafts (row-ordered like ``model_order``)."""
+    proposers (one group per proposer, rows ordered like the group's ids)."""
 
     tokens: dict[int, list[int]] = field(default_factory=dict)
-    model_order: list[int] = field(default_factory=list)
-    model_probs: torch.Tensor | None = None
+    prob_groups: list[tuple[list[int], torch.Tensor | None]] = field(default_factory=list)
     draft_seconds: float = 0.0
+
+
+def _probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    return sampling_probs(logits, params)
 
 
 class Speculator:
     def __init__(
-        self, config: EngineConfig, draft: DraftModelProposer | None, generator: torch.Generator,
+        self, config: EngineConfig, draft_runner, generator: torch.Generator,
         projection_seconds: Callable[[int], float | None] | None = None,  # see SpeculationPolicy
+        registry: ProposerRegistry = REGISTRY,
     ) -> None:
         self.config = config
-        self.draft = draft
-        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.registry = registry
+        ctx = ProposerContext(
+            prompt_lookup_min=config.prompt_lookup_min, prompt_lookup_max=config.prompt_lookup_max,
+            suffix=SuffixOptions(max_depth=config.suffix_max_depth,
+                                 cache_tokens=config.suffix_cache_tokens,
+                                 scope=config.suffix_cache_scope),
+            draft_runner=draft_runner, block_size=config.block_size, seed=config.seed,
+            probs_fn=_probs,
+        )
+        self.proposers: dict[str, Proposer] = registry.build_available(ctx)
         self.policy = SpeculationPolicy(
             adaptive=config.adaptive_speculation, projection_seconds=projection_seconds
         )
         self.generator = generator
+        self._early: dict[int, list[int]] = {}  # seq id -> this step's model-free draft
+        self._early_seconds = 0.0
+        self._kv_after: dict[int, int] = {}  # seq id -> its proposer's KV after drafting
+
+    @property
+    def draft(self) -> Proposer | None:
+        """The draft-model proposer, when a draft model is loaded."""
+        return self.proposers.get("draft")
+
+    def available(self, method: str) -> bool:
+        return method in (OFF, AUTO) or method in self.proposers
+
+    def clear_caches(self, tenant: str | None = None) -> None:
+        """Empties what proposers learned across requests (one tenant's part, or all)."""
+        for p in self.proposers.values():
+            clear = getattr(p, "clear", None)
+            if clear is not None:
+                clear(tenant)
 
     # ---- before scheduling ----------------------------------------------------------------
 
     def choose_k(self, running: list[Sequence], max_model_len: int) -> None:
-        """Sets ``seq.spec_k`` for every running sequence (0 unless it is decoding and
-        speculating); the scheduler cuts it further to the token budget."""
+        """Sets ``seq.spec_k`` (and ``seq.spec_step_method``) for every running sequence (k 0
+        unless it is decoding and speculating); the scheduler cuts k further to the budget."""
         candidates = []
         prefill_tokens = 0
+        self._early.clear()
+        t0 = time.perf_counter()
         for seq in running:
             seq.spec_k = 0
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining != 1:
                 prefill_tokens += remaining
                 continue
-            if seq.spec_method == "off" or seq.spec_k_max == 0:
+            if seq.spec_method == OFF or seq.spec_k_max == 0:
                 continue
             # The bonus token is free: never draft past max_tokens or the context window.
             left = min(
@@ -75,55 +116,119 @@ class Speculator:
             k_max = min(seq.spec_k_max, left)
             if k_max <= 0:
                 continue
-            rate = self.policy.acceptance_rate(seq.seq_id, seq.spec_method)
-            candidates.append(Candidate(seq.seq_id, k_max, rate, seq.spec_method == "draft"))
+            method, k_max = self._pick(seq, k_max)
+            seq.spec_step_method = method
+            if k_max <= 0:
+                continue
+            rate = self.policy.acceptance_rate(seq.seq_id, method)
+            candidates.append(Candidate(seq.seq_id, k_max, rate,
+                                        self.proposers[method].uses_model))
+        self._early_seconds = time.perf_counter() - t0
         if not candidates:
             return
         ks = self.policy.choose(candidates, prefill_tokens)
         for seq in running:
             seq.spec_k = ks.get(seq.seq_id, 0)
 
+    def _cheap_draft(self, proposer: Proposer, seq: Sequence, k: int) -> list[int]:
+        req = self._request(seq, k)
+        tokens = proposer.propose([req]).draft_token_ids[0]
+        self._early[seq.seq_id] = tokens
+        return tokens
+
+    def _pick(self, seq: Sequence, k_max: int) -> tuple[str, int]:
+        """(method, most drafts worth reserving) for this step."""
+        if seq.spec_method != AUTO:
+            proposer = self.proposers[seq.spec_method]
+            if proposer.uses_model:
+                return seq.spec_method, k_max
+            return seq.spec_method, len(self._cheap_draft(proposer, seq, k_max))
+        # auto: the model-free draft first (it costs only its verify rows), then the draft
+        # model if one is loaded; the higher expected goodput wins.
+        options: list[tuple[float, str, int]] = []
+        cost = self.policy.target_cost
+        cheap = self.proposers.get(_AUTO_CHEAP)
+        if cheap is not None:
+            n = len(self._cheap_draft(cheap, seq, k_max))
+            rate = self.policy.acceptance_rate(seq.seq_id, _AUTO_CHEAP)
+            options.append((expected_tokens(rate, n) / max(cost(1 + n), cost(1)), _AUTO_CHEAP, n))
+        for name, p in self.proposers.items():
+            if p.uses_model:
+                k = min(k_max, self.config.num_speculative_tokens)
+                rate = self.policy.acceptance_rate(seq.seq_id, name)
+                seconds = max(cost(1 + k), cost(1)) + k * self.policy.draft_cost(1)
+                options.append((expected_tokens(rate, k) / seconds, name, k))
+        if not options:
+            return OFF, 0
+        _, name, k = max(options, key=lambda o: o[0])
+        return name, k
+
+    def _request(self, seq: Sequence, k: int, row: SampleRequest | None = None
+                 ) -> ProposalRequest:
+        sampling = None
+        if row is not None:
+            sampling = DraftSampling(row.params.greedy, row.params.seed, row.params)
+        return ProposalRequest(
+            seq.seq_id, seq.token_ids, k, num_prompt_tokens=seq.num_prompt_tokens,
+            tenant=seq.spec_tenant, block_table=seq.block_table,
+            kv_computed=seq.draft_num_computed, sampling=sampling,
+        )
+
     # ---- after scheduling -----------------------------------------------------------------
 
     def draft_prefill(self, batch: ScheduledBatch) -> None:
-        """The draft runs beside the target's prompt chunks. Decode steps that do not draft
-        (k = 0) leave the draft behind on purpose: keeping it in step would cost a draft forward
+        """Model proposers run beside the target's prompt chunks. Decode steps that do not
+        draft (k = 0) leave them behind on purpose: keeping in step would cost a draft forward
         per token for nothing when the policy has turned speculation off; the next proposal
         catches up on every token the draft lacks (see DraftModelProposer)."""
-        if self.draft is None:
-            return
-        chunks = [
-            (s.seq, s.seq.num_computed_tokens + s.num_new_tokens)
-            for s in batch.scheduled
-            if s.seq.spec_method == "draft" and s.num_lookahead == 0 and s.seq.is_prefill
-        ]
-        self.draft.prefill(chunks)
+        for name, proposer in self.proposers.items():
+            if not proposer.uses_model:
+                continue
+            work = [s for s in batch.scheduled
+                    if s.seq.spec_method in (name, AUTO) and s.num_lookahead == 0
+                    and s.seq.is_prefill]
+            if not work:
+                continue
+            chunks = [
+                PrefillChunk(s.seq.seq_id, s.seq.token_ids,
+                             s.seq.num_computed_tokens + s.num_new_tokens, s.seq.block_table,
+                             s.seq.draft_num_computed)
+                for s in work
+            ]
+            # One KV counter per sequence: an engine holds at most one draft model.
+            for s, kv in zip(work, proposer.prefill(chunks)):
+                s.seq.draft_num_computed = kv
 
     def propose(self, batch: ScheduledBatch, rows: dict[int, SampleRequest]) -> Drafts:
-        out = Drafts()
-        ngram = [s for s in batch.scheduled if s.num_lookahead and s.seq.spec_method == "ngram"]
-        model = [s for s in batch.scheduled if s.num_lookahead and s.seq.spec_method == "draft"]
-        if ngram:
-            proposal = self.ngram.propose(
-                [ProposalRequest(s.seq.seq_id, s.seq.token_ids, s.num_lookahead) for s in ngram]
-            )
-            for s, tokens in zip(ngram, proposal.draft_token_ids):
-                out.tokens[s.seq.seq_id] = tokens
-        if model and self.draft is not None:
+        out = Drafts(draft_seconds=self._early_seconds)
+        self._kv_after.clear()
+        groups: dict[str, list[ScheduledSeq]] = {}
+        for s in batch.scheduled:
+            if s.num_lookahead:
+                groups.setdefault(s.seq.spec_step_method, []).append(s)
+        for name, group in groups.items():
+            proposer = self.proposers[name]
+            if not proposer.uses_model:
+                for s in group:
+                    early = self._early.get(s.seq.seq_id)
+                    if early is None:  # not drafted in choose_k (cannot happen in a step)
+                        early = self._cheap_draft(proposer, s.seq, s.num_lookahead)
+                    out.tokens[s.seq.seq_id] = early[: s.num_lookahead]
+                continue
             t0 = time.perf_counter()
-            proposal, step_seconds = self.draft.propose(
-                [s.seq for s in model],
-                [s.num_lookahead for s in model],
-                [rows[s.seq.seq_id] for s in model],
+            proposal = proposer.propose(
+                [self._request(s.seq, s.num_lookahead, rows[s.seq.seq_id]) for s in group]
             )
-            out.draft_seconds = time.perf_counter() - t0
-            for i, secs in enumerate(step_seconds):
-                active = sum(1 for s in model if s.num_lookahead > i)
+            out.draft_seconds += time.perf_counter() - t0
+            for i, secs in enumerate(proposal.step_seconds):
+                active = sum(1 for s in group if s.num_lookahead > i)
                 self.policy.record_draft_step(active, secs)
-            for s, tokens in zip(model, proposal.draft_token_ids):
-                out.tokens[s.seq.seq_id] = tokens
-                out.model_order.append(s.seq.seq_id)
-            out.model_probs = proposal.draft_probs
+            ids = [s.seq.seq_id for s in group]
+            for sid, tokens in zip(ids, proposal.draft_token_ids):
+                out.tokens[sid] = tokens
+            if proposal.kv_computed is not None:
+                self._kv_after.update(zip(ids, proposal.kv_computed))
+            out.prob_groups.append((ids, proposal.draft_probs))
         return out
 
     # ---- verify ---------------------------------------------------------------------------
@@ -137,11 +242,10 @@ class Speculator:
         """seq id -> (emitted tokens, number of accepted drafts, logprobs per emitted token)."""
         results: dict[int, tuple[list[int], int, list]] = {}
         # Every model-drafted sequence is decoding, so it samples: its draft-prob rows line up.
-        model_ids = drafts.model_order
-        assert all(sid in logits for sid in model_ids)
-        drafted = set(model_ids)
-        other_ids = [sid for sid in logits if sid not in drafted]
-        for ids, probs in ((model_ids, drafts.model_probs), (other_ids, None)):
+        grouped = {sid for ids, _ in drafts.prob_groups for sid in ids}
+        assert grouped <= set(logits)
+        other_ids = [sid for sid in logits if sid not in grouped]
+        for ids, probs in [*drafts.prob_groups, (other_ids, None)]:
             if not ids:
                 continue
             res: SpecDecodeResult = rejection_sample(
@@ -159,12 +263,18 @@ class Speculator:
     ) -> None:
         seq = s.seq
         if drafts:
-            self.policy.record_acceptance(seq.seq_id, seq.spec_method, len(drafts), accepted)
-        if seq.spec_method == "draft" and drafts:
-            # The draft ran on the last token and drafts 1..k-1 (see DraftModelProposer).
-            seq.draft_num_computed = n_before + min(accepted, len(drafts) - 1)
+            self.policy.record_acceptance(seq.seq_id, seq.spec_step_method, len(drafts),
+                                          accepted)
+        kv = self._kv_after.get(seq.seq_id)
+        if kv is not None:  # the proposer's KV holds only the positions the target kept
+            seq.draft_num_computed = min(kv, seq.num_tokens - 1)
 
     def forget(self, seq: Sequence) -> None:
         self.policy.forget(seq.seq_id)
-        if self.draft is not None:
-            self.draft.forget(seq.seq_id)
+        done = FinishedSequence(
+            seq.seq_id, seq.token_ids, seq.num_prompt_tokens, seq.spec_tenant,
+            aborted=seq.finish_reason is not None and seq.finish_reason.value == "abort",
+            method=seq.spec_method,
+        )
+        for proposer in self.proposers.values():
+            proposer.finish(done)

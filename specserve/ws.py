@@ -15,7 +15,7 @@ from aiohttp import web
 from specserve import protocol as P
 from specserve.async_engine import EngineUnavailableError
 from specserve.errors import InvalidRequestError
-from specserve.server import APP_KEY, error_of, log
+from specserve.server import APP_KEY, error_of, log, tenant_of
 
 _enc = msgspec.json.Encoder()
 
@@ -57,7 +57,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
                 raise InvalidRequestError("n must be 1 (and prompt a single one) over the "
                                           "WebSocket; open one request per choice", param="n")
             job.id = f"ws-{conn}-{cid}"
-            streams = await server.admit(job)
+            streams = await server.admit(job, tenant_of(request))
             if cid in cancelled:
                 server.engine.abort(streams[0].request_id)
             async for _, out in server.outputs(streams):

@@ -79,7 +79,7 @@ def test_draft_model_greedy_identical_to_transformers(models, engine_kw):
     assert drafted > 0 and accepted / drafted < 0.3  # an unrelated draft is nearly always wrong
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "suffix", "auto"])
 def test_adaptive_k_greedy_identical(models, method):
     target, other, hf = models
     engine = make(target, draft_model=other, speculative_method=method,
@@ -166,7 +166,7 @@ def second_token_counts(models, method: str, rounds: int):
     return counts, expected, drafted
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "auto"])
 def test_sampled_distribution_equals_target(models, method):
     """The second token is produced by a verify step (k = 1 draft), so its distribution is the
     rejection sampler's output; it must equal the target's exact marginal."""
@@ -283,7 +283,7 @@ def test_long_random_workload_returns_every_block(models):
     rng = random.Random(0)
     engine = make(target, draft_model=other, num_kv_blocks=60, max_model_len=120,
                   max_num_batched_tokens=24, adaptive_speculation=True)
-    methods = ["off", "ngram", "draft"]
+    methods = ["off", "ngram", "draft", "suffix", "auto"]
     live: list[str] = []
     for i in range(60):
         p = prompts([rng.randint(1, 40)], seed=100 + i)[0]

@@ -1,0 +1,185 @@
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975): draft what followed the longest match of
+the sequence's suffix, in its own text and in earlier requests' outputs.
+
+Two kinds of ``SuffixTrie`` (draft/suffix_trie.py):
+    * one per running sequence over its prompt + output, grown by the tokens that arrived since
+      its last proposal (O(new tokens x max_depth) per step, never O(context));
+    * a global one per tenant over the outputs of finished sequences, bounded by
+      ``cache_tokens`` over all tenants together; the oldest outputs are evicted first.
+``scope="request"`` keeps only the first kind (nothing outlives its request).
+
+Tenants: a sequence's drafts come only from its own text and from its tenant's cache (the
+engine passes the API key's tenant id), so one API key never gets speculation built from another
+key's outputs (the output is the target's either way, but acceptance would leak through timing).
+
+Per step, each trie proposes from its longest match (``m`` tokens): the most frequent
+continuation, token by token, while the estimated probability (the product of the chosen
+continuations' frequencies) stays >= ``min_prob``, and at most ``spec_factor * m`` tokens (a
+long match earns a long draft, up to the request's k, so up to 16). The candidate with the larger
+expected number of accepted tokens (the sum of those probabilities) wins.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from draft.base import FinishedSequence, Proposal, ProposalRequest, StatelessProposer
+from draft.suffix_trie import SuffixTrie
+
+_OWN = 0  # the document id of a sequence's own text in its trie
+
+
+@dataclass
+class SuffixOptions:
+    max_depth: int = 32  # longest substring counted (match + followed continuation)
+    cache_tokens: int = 1 << 18  # global cache bound, output tokens over all tenants
+    scope: str = "global"  # request | global
+    spec_factor: float = 1.0  # draft at most spec_factor * match length tokens
+    min_prob: float = 0.1  # stop drafting where the estimated probability falls below
+
+    def __post_init__(self) -> None:
+        if self.scope not in ("request", "global"):
+            raise ValueError(f"suffix cache scope must be request or global (got {self.scope!r})")
+        if self.max_depth < 2:
+            raise ValueError(f"suffix max depth must be >= 2 (got {self.max_depth})")
+        if self.cache_tokens < 0:
+            raise ValueError(f"suffix cache tokens must be >= 0 (got {self.cache_tokens})")
+
+
+@dataclass
+class SuffixDraft:
+    tokens: list[int]
+    probs: list[float]
+    match_length: int
+    source: str  # "request" | "global" | "none"
+
+    @property
+    def score(self) -> float:
+        """Expected accepted tokens, by the trie's own frequencies."""
+        return sum(self.probs)
+
+
+class _Tenant:
+    def __init__(self, max_depth: int, version: int) -> None:
+        self.trie = SuffixTrie(max_depth)
+        self.version = version  # a new proposer-wide number on every insert / eviction
+
+
+class SuffixProposer(StatelessProposer):
+    name = "suffix"
+    uses_model = False
+
+    def __init__(self, options: SuffixOptions | None = None) -> None:
+        self.options = options or SuffixOptions()
+        self.own: dict[int, SuffixTrie] = {}
+        self.tenants: dict[str, _Tenant] = {}
+        self._fifo: deque[tuple[str, int, int]] = deque()  # (tenant, doc, tokens), oldest first
+        self._doc_ids = itertools.count(1)
+        self._versions = itertools.count(1)
+        self.cached_tokens = 0
+        # seq id -> (tenant version, global match length) at its last proposal: a match can
+        # grow by at most the new tokens while the tenant's trie is unchanged.
+        self._last: dict[int, tuple[int, int]] = {}
+
+    # ---- drafting ---------------------------------------------------------------------------
+
+    def propose(self, requests: list[ProposalRequest]) -> Proposal:
+        drafts = [self.draft(r) for r in requests]
+        return Proposal(
+            draft_token_ids=[d.tokens for d in drafts],
+            confidence=[d.probs for d in drafts],
+        )
+
+    def draft(self, req: ProposalRequest) -> SuffixDraft:
+        if req.num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1 (got {req.num_tokens} for seq {req.seq_id})")
+        opts = self.options
+        trie = self.own.get(req.seq_id)
+        if trie is None:
+            trie = self.own[req.seq_id] = SuffixTrie(opts.max_depth)
+            trie.extend(_OWN, ())
+        seen = len(trie.docs[_OWN])
+        new = len(req.token_ids) - seen
+        trie.extend(_OWN, req.token_ids[seen:])
+        best = SuffixDraft([], [], 0, "none")
+        node = trie.own_match(_OWN)
+        if node is not None:
+            tokens, probs = trie.walk(node, 0, self._budget(node.depth, req.num_tokens),
+                                      opts.min_prob)
+            best = SuffixDraft(tokens, probs, node.depth, "request")
+        tenant = self.tenants.get(req.tenant) if opts.scope == "global" else None
+        if tenant is not None:
+            cand = self._global_draft(req, tenant, new)
+            if cand.score > best.score:
+                best = cand
+        return best
+
+    def _global_draft(self, req: ProposalRequest, tenant: _Tenant, new: int) -> SuffixDraft:
+        trie, top = tenant.trie, tenant.trie.max_depth - 1
+        longest = top
+        last = self._last.get(req.seq_id)
+        if last is not None and last[0] == tenant.version:
+            longest = min(top, last[1] + new)  # same trie: the match grows by <= new tokens
+        context = list(req.token_ids[-top:])
+        hit = trie.find(context, longest)
+        length = 0 if hit is None else hit[0].depth + hit[1]
+        self._last[req.seq_id] = (tenant.version, length)
+        if hit is None:
+            return SuffixDraft([], [], 0, "none")
+        tokens, probs = trie.walk(hit[0], hit[1], self._budget(length, req.num_tokens),
+                                  self.options.min_prob)
+        return SuffixDraft(tokens, probs, length, "global")
+
+    def _budget(self, match_length: int, k: int) -> int:
+        return max(1, min(k, math.floor(self.options.spec_factor * match_length)))
+
+    # ---- learning and forgetting ----------------------------------------------------------
+
+    def finish(self, done: FinishedSequence) -> None:
+        self.own.pop(done.seq_id, None)
+        self._last.pop(done.seq_id, None)
+        output = list(done.token_ids[done.num_prompt_tokens :])
+        # Learn only from requests that asked for suffix decoding (directly or through auto):
+        # a server that never uses it keeps no cache, and A/B runs of other methods do not
+        # feed it.
+        if self.options.scope == "global" and output and done.method in ("suffix", "auto"):
+            self.insert(done.tenant, output)
+
+    def insert(self, tenant_id: str, tokens: list[int]) -> None:
+        """Adds one finished output to ``tenant_id``'s cache, evicting the oldest outputs (of
+        any tenant) past the token bound. An output larger than the whole bound is skipped."""
+        bound = self.options.cache_tokens
+        if len(tokens) > bound:
+            return
+        tenant = self.tenants.get(tenant_id)
+        if tenant is None:
+            tenant = self.tenants[tenant_id] = _Tenant(self.options.max_depth, 0)
+        doc = next(self._doc_ids)
+        tenant.trie.extend(doc, tokens)
+        tenant.trie.close(doc)
+        tenant.version = next(self._versions)
+        self._fifo.append((tenant_id, doc, len(tokens)))
+        self.cached_tokens += len(tokens)
+        while self.cached_tokens > bound:
+            old_tenant, old_doc, n = self._fifo.popleft()
+            holder = self.tenants[old_tenant]
+            holder.trie.remove(old_doc)
+            holder.version = next(self._versions)
+            self.cached_tokens -= n
+            if not holder.trie.docs:
+                del self.tenants[old_tenant]
+
+    def clear(self, tenant: str | None = None) -> None:
+        """Empties the global cache: one tenant's part, or all of it (None)."""
+        drop = set(self.tenants) if tenant is None else {tenant}
+        for t in drop & set(self.tenants):
+            del self.tenants[t]
+        kept = [e for e in self._fifo if e[0] not in drop]
+        self._fifo = deque(kept)
+        self.cached_tokens = sum(e[2] for e in kept)
+
+    def __repr__(self) -> str:
+        return f"SuffixProposer({self.options})"
