@@ -36,12 +36,18 @@ class EngineBackend:
 
     checked = True
 
-    def __init__(self, engine: Any, method: str, k: int, ignore_eos: bool) -> None:
+    def __init__(self, engine: Any, method: str, k: int, ignore_eos: bool,
+                 fresh_cache: bool = False) -> None:
         self.name, self.engine, self.k, self.ignore_eos = method, engine, k, ignore_eos
+        # True: empty suffix cache before each request, so a prompt run twice (or by two stop
+        # rules) never drafts from its own earlier answer.
+        self.fresh_cache = fresh_cache
 
     def generate(self, prompt: list[int], max_new_tokens: int) -> Generation:
         from specserve.sampling_params import SamplingParams, SpeculativeParams
 
+        if self.fresh_cache:
+            self.engine.clear_speculation_caches()
         params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0,
                                 ignore_eos=self.ignore_eos)
         t0 = time.perf_counter()

@@ -70,7 +70,7 @@ def make_backends(engine: LLMEngine, llm, modes: list[str]) -> dict[str, dict]:
     eos = sorted(engine.eos_token_ids)
     return {
         stop: {LLAMACPP: LlamaCppBackend(llm, [] if ignore_eos else eos),
-               **{m: EngineBackend(engine, m, k, ignore_eos) for m in modes}}
+               **{m: EngineBackend(engine, m, k, ignore_eos, fresh_cache=True) for m in modes}}
         for stop, ignore_eos in STOPS.items()
     }
 
@@ -179,6 +179,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--workloads", default="chat,rewrite,code")
     ap.add_argument("--prompts-per-workload", type=int, default=4)
     ap.add_argument("--batch-sizes", default="8,32")
+    ap.add_argument("--modes", default="off,ngram,suffix,auto,draft",
+                    help="our speculative methods, single stream (draft needs a draft model)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     args.batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
@@ -200,7 +202,8 @@ def main() -> int:
         raise BenchError(f"llama.cpp needs a .gguf model (got {engine.model_path})")
     llm = llama_cpp.Llama(model_path=engine.model_path, n_threads=args.threads,
                           n_threads_batch=args.threads, n_ctx=4096, verbose=False, seed=0)
-    modes = ["off", "ngram"] + (["draft"] if engine.draft_config is not None else [])
+    modes = [m for m in args.modes.split(",")
+             if m != "draft" or engine.draft_config is not None]
     # The instruct model's chat template on every workload; the same ids go to both sides.
     chats = {wl: [engine.encode(engine.render_chat([{"role": "user", "content": t}]))
                   for t in ts] for wl, ts in texts.items()}
@@ -226,7 +229,9 @@ def main() -> int:
         f"{args.prompts_per_workload} prompts per workload, {args.repeats} repeats, interleaved "
         "prompt by prompt. tok/s = generated tokens / wall seconds including prefill (no KV "
         "reuse across requests on either side); ratios vs llama.cpp are medians of per-repeat "
-        "ratios (min..max). EOS: both stop at EOS; fixed N: both ignore it. Batch rows: our "
+        "ratios (min..max). EOS: both stop at EOS; fixed N: both ignore it. The suffix cache "
+        "is emptied before each request (suffix and auto draft from the request's own text "
+        "only, never from an earlier answer to the same prompt). Batch rows: our "
         "aggregate tok/s over B concurrent fixed-N requests vs llama.cpp's single-stream fixed-N "
         "tok/s (llama-cpp-python serves one stream at a time).",
         ["Single stream:", "", *single_table(single, chats, modes), "",
