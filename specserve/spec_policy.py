@@ -88,6 +88,7 @@ class _StepCost:
         self.recent: dict[int, deque[float]] = {}  # one key per step size seen: bounded
         self._median: dict[int, float] = {}
         self._stale: set[int] = set()  # counts whose median changed since it was last read
+        self._prior_seen: dict[int, float | None] = {}  # one entry per step size priced
 
     def add(self, units: int, seconds: float) -> None:
         self.linear.add(units, seconds)
@@ -104,13 +105,20 @@ class _StepCost:
         self._stale.clear()
         return self._median
 
+    def _prior(self, units: int) -> float | None:
+        """The tuner's table is fixed once the engine runs: read each count once."""
+        if units not in self._prior_seen:
+            assert self.prior is not None
+            self._prior_seen[units] = self.prior(units)
+        return self._prior_seen[units]
+
     def __call__(self, units: int) -> float:
         measured = self.median.get(units)
         if measured is not None:
             return measured
         if self.prior is not None and self.median:
             nearest = min(self.median, key=lambda c: abs(c - units))
-            here, there = self.prior(units), self.prior(nearest)
+            here, there = self._prior(units), self._prior(nearest)
             if here is not None and there is not None:
                 return here + max(self.median[nearest] - there, 0.0)
         return self.linear(units)
