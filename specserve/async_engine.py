@@ -26,7 +26,7 @@ from typing import Any
 
 from specserve.engine import LLMEngine
 from specserve.errors import InvalidRequestError
-from specserve.outputs import RequestOutput
+from specserve.outputs import OutputMerger, RequestOutput
 from specserve.sampling_params import SamplingParams, SpeculativeParams
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,11 @@ class _Add:
 
 
 class RequestStream:
-    """Async iterator over one request's outputs; the last one has ``finished`` set.
+    """Async iterator over one request's outputs (deltas); the last one has ``finished`` set.
+
+    The engine's deltas are merged while they wait (``OutputMerger``), so a reader that falls
+    behind gets one output carrying everything it has not read yet: what the stream holds is
+    bounded by what its client has not taken, never one queued object per engine step.
 
     Use it as ``async with stream:``; leaving the block (normally, by an exception or by task
     cancellation) before the final output aborts the request.
@@ -76,9 +80,37 @@ class RequestStream:
     def __init__(self, engine: AsyncEngine, request_id: str) -> None:
         self.request_id = request_id
         self._engine = engine
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending = OutputMerger()
+        self._error: BaseException | None = None
+        self._wake = asyncio.Event()
+        self._accepted_fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.finished = False
         self._closed = False
+
+    @property
+    def buffered_tokens(self) -> int:
+        """Output tokens delivered by the engine and not yet read."""
+        return self._pending.num_tokens
+
+    @property
+    def buffered_chars(self) -> int:
+        return self._pending.num_chars
+
+    def _put(self, item: Any) -> None:
+        """Event loop only: an output (merged into what is pending), the acknowledgement of the
+        add, or an exception (the add failed, or the engine failed afterwards)."""
+        if item is _ACCEPTED:
+            if not self._accepted_fut.done():
+                self._accepted_fut.set_result(None)
+            return
+        if isinstance(item, BaseException):
+            if not self._accepted_fut.done():
+                self._accepted_fut.set_exception(item)
+            elif self._error is None:
+                self._error = item
+        else:
+            self._pending.add(item)
+        self._wake.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -86,24 +118,27 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        while not self._pending and self._error is None:
+            self._wake.clear()
+            await self._wake.wait()
+        out = self._pending.take()
+        if out is None:  # what was delivered has been read; then the error
             self.finished = True
             self.close()
-            raise item
-        assert isinstance(item, RequestOutput)
-        if item.finished:
+            assert self._error is not None
+            raise self._error
+        if out.finished:
             self.finished = True
             self.close()
-        return item
+        return out
 
     async def _accepted(self) -> None:
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        try:
+            await self._accepted_fut
+        except BaseException:
             self.finished = True
             self.close()
-            raise item
-        assert item is _ACCEPTED
+            raise
 
     def close(self) -> None:
         """Idempotent; aborts the request in the engine if it has not finished."""
@@ -266,7 +301,7 @@ class AsyncEngine:
         for rid, item in items:
             stream = self._streams.get(rid)
             if stream is not None:
-                stream._queue.put_nowait(item)
+                stream._put(item)
 
     def _set_ready(self) -> None:
         self._ready = True
@@ -275,7 +310,7 @@ class AsyncEngine:
         """The thread has exited: whoever still waits gets an error instead of hanging."""
         reason = f"engine failed: {self.error!r}" if self.error else "the engine has stopped"
         for stream in list(self._streams.values()):
-            stream._queue.put_nowait(EngineUnavailableError(reason))
+            stream._put(EngineUnavailableError(reason))
 
     # ---- the engine thread --------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from specserve.async_engine import (
 )
 from specserve.errors import InvalidRequestError
 from specserve.metrics import CONTENT_TYPE, ServerMetrics
-from specserve.outputs import RequestOutput
+from specserve.outputs import OutputMerger, RequestOutput
 from specserve.sampling_params import SamplingParams, SpeculativeParams
 from specserve.server_config import ServerConfig
 
@@ -159,10 +159,10 @@ class Server:
                     i = pending.pop(fut)
                     out = fut.result()
                     now = time.perf_counter()
-                    if out.timings.ttft_ms is not None and len(out.token_ids) > len(
-                        out.new_token_ids
+                    if out.timings.ttft_ms is not None and out.num_output_tokens > len(
+                        out.token_ids
                     ):
-                        self.metrics.observe_gap(now - last[i], len(out.new_token_ids))
+                        self.metrics.observe_gap(now - last[i], len(out.token_ids))
                     last[i] = now
                     if out.finished:
                         self.metrics.observe_finished(out)
@@ -240,39 +240,37 @@ async def _api(request: web.Request, kind: str) -> web.StreamResponse:
     job = server.parse(kind, await _body(request))
     streams = await server.admit(job)
     finals: list[RequestOutput | None] = [None] * len(streams)
-    if not job.stream:
+    if not job.stream:  # the deltas of each choice merged into its whole answer
+        merged = [OutputMerger() for _ in streams]
         async for i, out in server.outputs(streams):
-            if out.finished:
-                finals[i] = out
-        outs = [o for o in finals if o is not None]
+            merged[i].add(out)
+        outs = [o for o in (m.take() for m in merged) if o is not None]
         _finish_log(request, job, outs)
         return _json(_response(server, job, outs))
     resp = web.StreamResponse(headers=_SSE_HEADERS)
     await resp.prepare(request)
-    sent_lp = [0] * len(streams)
     sent_chars = [0] * len(streams)
     try:
         if kind == "chat":
             for i in range(len(streams)):
                 await resp.write(_sse(_chat_chunk(job, i, P.ChatDelta("assistant", ""))))
         async for i, out in server.outputs(streams):
-            lps = (out.logprobs or [])[sent_lp[i]:] if job.logprobs else []
-            if not (out.delta_text or out.finished or lps):
+            lps = (out.logprobs or []) if job.logprobs else []
+            if not (out.text or out.finished or lps):
                 continue
-            sent_lp[i] += len(lps)
             reason = out.finish_reason if out.finished else None
             timings = P.timings_of([out]) if out.finished else None
             if kind == "chat":
                 lp = P.chat_logprobs(lps, server.token_text) if job.logprobs else None
-                delta = P.ChatDelta(content=out.delta_text or None)
+                delta = P.ChatDelta(content=out.text or None)
                 chunk: object = _chat_chunk(job, i, delta, lp, reason, timings)
             else:
                 lp2 = (P.completion_logprobs(lps, server.token_text, sent_chars[i])
                        if job.logprobs else None)
-                choice = P.CompletionChoice(i, out.delta_text, lp2, reason)
+                choice = P.CompletionChoice(i, out.text, lp2, reason)
                 chunk = P.CompletionResponse(job.id, "text_completion", job.created, job.model,
                                              [choice], timings=timings)
-            sent_chars[i] += len(out.delta_text)
+            sent_chars[i] += len(out.text)
             await resp.write(_sse(chunk))
             if out.finished:
                 finals[i] = out
