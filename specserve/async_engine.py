@@ -1,8 +1,13 @@
 """AsyncEngine: drives the synchronous ``LLMEngine`` from one dedicated thread for asyncio callers.
 
 Threading contract (``LLMEngine`` is not thread-safe):
-  - only the engine thread calls ``add_request`` / ``step`` / ``abort`` / ``encode``; the event
-    loop hands it commands through a ``queue.Queue`` that it drains before every step;
+  - only the engine thread calls ``add_request`` / ``step`` / ``abort``; the event loop hands it
+    commands through a ``queue.Queue`` that it drains before every step;
+  - text work that is neither the loop's nor the step's (chat templates, tokenizing prompts of up
+    to --max-body-bytes) runs on one "specserve-text" worker thread: the engine thread only ever
+    receives token ids, so a huge prompt never stalls the other streams' steps, and the loop
+    stays free. The tokenizer releases the GIL while it encodes. One worker serialises every
+    encode; the engine thread only decodes (read-only on the tokenizer);
   - the engine thread hands results back with ``loop.call_soon_threadsafe``: one call per step
     carrying every (request id, item) pair, where an item is a ``RequestOutput``, the
     ``_ACCEPTED`` acknowledgement of an add, or the exception the add raised;
@@ -21,6 +26,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +146,14 @@ class RequestStream:
             self.close()
             raise
 
+    def _forget_acceptance(self) -> None:
+        """The add as a whole failed: nobody will await this acknowledgement any more."""
+        fut = self._accepted_fut
+        if fut.done():
+            fut.exception()  # marks a failure as retrieved
+        else:
+            fut.cancel()
+
     def close(self) -> None:
         """Idempotent; aborts the request in the engine if it has not finished."""
         if self._closed:
@@ -170,6 +184,11 @@ class AsyncEngine:
         self._accepting = True
         self.error: BaseException | None = None
         self.stats = EngineStats()
+        self._text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-text")
+        if engine.tokenizer is not None:
+            # The first encode may configure the tokenizer (truncation/padding state); do it
+            # here, before any other thread uses it, so later encodes and decodes only read it.
+            engine.encode("warm-up")
 
     # ---- lifecycle (event loop) ---------------------------------------------------------
 
@@ -219,6 +238,7 @@ class AsyncEngine:
         if thread is not None and thread.is_alive():
             self._commands.put(_STOP)
             await asyncio.to_thread(thread.join)
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests (event loop) ----------------------------------------------------------
 
@@ -247,7 +267,16 @@ class AsyncEngine:
         clamp_max_tokens: bool = False,
     ) -> list[RequestStream]:
         """Admits several requests all-or-nothing against the queue bound (n > 1, batched
-        prompts); if one is rejected the others are aborted and the error is raised."""
+        prompts); if one is rejected the others are aborted and the error is raised. Text
+        prompts are tokenized on the text worker first (each distinct prompt object once)."""
+        if not self.ready:
+            raise EngineUnavailableError(f"the engine is not ready ({self.state})")
+        encoded: dict[int, list[int]] = {}
+        for _, prompt, _, _ in requests:
+            if id(prompt) not in encoded:
+                encoded[id(prompt)] = await self.encode(prompt)
+        requests = [(rid, encoded[id(prompt)], params, spec)
+                    for rid, prompt, params, spec in requests]
         if not self.ready:
             raise EngineUnavailableError(f"the engine is not ready ({self.state})")
         if self.num_unfinished + len(requests) > self.capacity:
@@ -270,6 +299,7 @@ class AsyncEngine:
                 await s._accepted()
         except BaseException:
             for s in streams:
+                s._forget_acceptance()
                 s.close()
             raise
         return streams
@@ -286,6 +316,18 @@ class AsyncEngine:
         async with stream:
             async for out in stream:
                 yield out
+
+    async def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt, tokenized off the event loop and off the engine thread."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._text_pool, self.engine.encode, prompt)
+
+    async def render_chat(self, messages: list[dict]) -> str:
+        """The chat template, rendered on the text worker (templates are arbitrary Jinja)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._text_pool, self.engine.render_chat, messages)
 
     def abort(self, request_id: str) -> None:
         """Asks the engine to abort; the stream still receives the final "abort" output."""

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream: true`` -> SSE ending with
 ``data: [DONE]``), GET /v1/models, GET /ws (WebSocket streaming; protocol below and in the README),
-GET /health (503 until warm-up is done), GET /metrics (Prometheus text).
+GET /health (503 until warm-up is done), GET /metrics (Prometheus text), GET /openapi.json
+(the OpenAPI 3.1 document generated from protocol.py's types).
 
 Invariants: the event loop never runs a forward pass (the engine thread does); every admitted
 sequence is closed by the handler that admitted it (``finally``), so a client that goes away,
@@ -32,6 +33,7 @@ from specserve.async_engine import (
 )
 from specserve.errors import InvalidRequestError
 from specserve.metrics import CONTENT_TYPE, ServerMetrics
+from specserve.openapi import openapi_document
 from specserve.outputs import OutputMerger, RequestOutput
 from specserve.sampling_params import SamplingParams, SpeculativeParams
 from specserve.server_config import ServerConfig
@@ -57,7 +59,9 @@ def error_of(exc: BaseException) -> tuple[int, P.ErrorInfo]:
     if isinstance(exc, InvalidRequestError):
         return 400, P.ErrorInfo(exc.message, "invalid_request_error", exc.param)
     if isinstance(exc, msgspec.ValidationError):
-        return 400, P.ErrorInfo(str(exc), "invalid_request_error", P.validation_param(str(exc)))
+        param = P.validation_param(str(exc))
+        return 400, P.ErrorInfo(P.validation_message(str(exc), param), "invalid_request_error",
+                                param)
     if isinstance(exc, msgspec.DecodeError):
         return 400, P.ErrorInfo(f"the body is not valid JSON: {exc}", "invalid_request_error",
                                 code="invalid_json")
@@ -100,6 +104,7 @@ class Server:
         self.websockets: set[web.WebSocketResponse] = set()
         self.started = int(time.time())
         self._token_text: dict[int, str] = {}
+        self.openapi: bytes | None = None  # GET /openapi.json, built on first request
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -109,13 +114,14 @@ class Server:
             self._token_text[token_id] = text
         return text
 
-    def parse(self, kind: str, body: bytes, stream: bool | None = None) -> Job:
-        """Decodes and validates a completions / chat body; raises 400/404-class errors."""
+    async def parse(self, kind: str, body: bytes, stream: bool | None = None) -> Job:
+        """Decodes and validates a completions / chat body (the chat template renders on the
+        engine's text worker, not on the loop); raises 400/404-class errors."""
         if kind == "chat":
             chat = msgspec.json.decode(body, type=P.ChatCompletionRequest)
             messages = P.chat_messages(chat)
             try:
-                prompt: str | list[int] = self.engine.engine.render_chat(messages)
+                prompt: str | list[int] = await self.engine.render_chat(messages)
             except InvalidRequestError:
                 raise
             except Exception as exc:  # the model's template rejected the conversation
@@ -237,7 +243,7 @@ async def _api(request: web.Request, kind: str) -> web.StreamResponse:
     server = request.app[APP_KEY]
     if not server.engine.ready:  # cheap early answer; add_requests checks again
         raise EngineUnavailableError(f"the engine is not ready ({server.engine.state})")
-    job = server.parse(kind, await _body(request))
+    job = await server.parse(kind, await _body(request))
     streams = await server.admit(job)
     finals: list[RequestOutput | None] = [None] * len(streams)
     if not job.stream:  # the deltas of each choice merged into its whole answer
@@ -336,10 +342,16 @@ async def models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     engine = request.app[APP_KEY].engine
     st = engine.stats
-    body = {"status": engine.state, "kv_blocks_free": st.kv_blocks_free,
-            "kv_blocks_total": st.kv_blocks_total, "num_running": st.num_running,
-            "num_waiting": st.num_waiting, "num_in_flight": engine.num_unfinished}
+    body = P.HealthResponse(engine.state, st.kv_blocks_free, st.kv_blocks_total,
+                            st.num_running, st.num_waiting, engine.num_unfinished)
     return _json(body, 200 if engine.ready else 503)
+
+
+async def openapi(request: web.Request) -> web.Response:
+    server = request.app[APP_KEY]
+    if server.openapi is None:
+        server.openapi = _enc.encode(openapi_document(bool(server.config.api_key)))
+    return web.Response(body=server.openapi, content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -378,6 +390,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, model: str | None = No
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     from specserve.ws import websocket_handler  # ws.py builds on this module's helpers
 
     app.router.add_get("/ws", websocket_handler)

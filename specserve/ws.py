@@ -52,7 +52,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     async def run(cid: str, kind: str, data: bytes) -> None:
         status: int | str = 200
         try:
-            job = server.parse(kind, data, stream=True)
+            job = await server.parse(kind, data, stream=True)
             if len(job.seqs) != 1:
                 raise InvalidRequestError("n must be 1 (and prompt a single one) over the "
                                           "WebSocket; open one request per choice", param="n")
