@@ -45,6 +45,11 @@ class EngineUnavailableError(RuntimeError):
     """The engine is warming up, shutting down or has failed (HTTP 503)."""
 
 
+class EngineStepError(RuntimeError):
+    """An engine step raised; the requests in it were ended and their KV blocks freed, and the
+    engine goes on serving the others (HTTP 500 / an SSE or WebSocket error event)."""
+
+
 class QueueFullError(RuntimeError):
     """Admitting the request would exceed max_num_seqs + max_queue_len (HTTP 429)."""
 
@@ -60,6 +65,7 @@ class EngineStats:
     kv_blocks_cached: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    step_failures: int = 0  # engine steps that raised (each failed its running requests)
     version: int = 0  # bumps on every publish
 
 
@@ -184,6 +190,7 @@ class AsyncEngine:
         self._accepting = True
         self.error: BaseException | None = None
         self.stats = EngineStats()
+        self._step_failures = 0  # engine thread only
         self._text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-text")
         if engine.tokenizer is not None:
             # The first encode may configure the tokenizer (truncation/padding state); do it
@@ -397,9 +404,26 @@ class AsyncEngine:
                     if out is not None:
                         items.append((rid, self._snapshot(out)))
             elif engine.has_unfinished():
-                items.extend((o.request_id, self._snapshot(o)) for o in engine.step())
+                try:
+                    outs = engine.step()
+                except Exception as exc:  # a fault in this step: fail its requests, go on
+                    items.extend(self._fail_step(exc))
+                else:
+                    items.extend((o.request_id, self._snapshot(o)) for o in outs)
             self._publish_stats()
             self._post(items)
+
+    def _fail_step(self, exc: Exception) -> list[tuple[str, Any]]:
+        """Ends every request of the failed step (the running ones: their state may be half
+        updated) with an error and frees their blocks; waiting requests are untouched."""
+        log.exception("engine step failed; failing its requests and serving on")
+        self._step_failures += 1
+        error = EngineStepError(f"the engine step running this request failed: {exc!r}")
+        items: list[tuple[str, Any]] = []
+        for seq in list(self.engine.scheduler.running):
+            self.engine.abort(seq.request_id)
+            items.append((seq.request_id, error))
+        return items
 
     def _apply(self, cmd: tuple[str, Any]) -> list[tuple[str, Any]]:
         kind, arg = cmd
@@ -446,6 +470,7 @@ class AsyncEngine:
             kv_blocks_cached=bm.num_cached_blocks,
             prefix_query_tokens=bm.prefix_queries,
             prefix_hit_tokens=bm.prefix_hits,
+            step_failures=self._step_failures,
             version=self.stats.version + 1,
         )
 

@@ -27,6 +27,7 @@ from aiohttp import web
 from specserve import protocol as P
 from specserve.async_engine import (
     AsyncEngine,
+    EngineStepError,
     EngineUnavailableError,
     QueueFullError,
     RequestStream,
@@ -69,6 +70,8 @@ def error_of(exc: BaseException) -> tuple[int, P.ErrorInfo]:
         return 429, P.ErrorInfo(str(exc), "rate_limit_error", code="queue_full")
     if isinstance(exc, EngineUnavailableError):
         return 503, P.ErrorInfo(str(exc), "service_unavailable", code="not_ready")
+    if isinstance(exc, EngineStepError):
+        return 500, P.ErrorInfo(str(exc), "internal_error", code="engine_step_failed")
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return 413, P.ErrorInfo("the request body is too large (see --max-body-bytes)",
                                 "invalid_request_error", code="body_too_large")
@@ -289,7 +292,7 @@ async def _api(request: web.Request, kind: str) -> web.StreamResponse:
                                                   job.model, [], usage, timings))
             await resp.write(_sse(final))
         _finish_log(request, job, outs)
-    except EngineUnavailableError as exc:  # the engine died or stopped mid-stream
+    except (EngineUnavailableError, EngineStepError) as exc:  # the engine failed mid-stream
         await resp.write(_sse(P.ErrorResponse(error_of(exc)[1])))
     await resp.write(_DONE)
     await resp.write_eof()
