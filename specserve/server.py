@@ -14,6 +14,8 @@ reaches the client as ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -366,6 +368,17 @@ async def _on_startup(app: web.Application) -> None:
     app[APP_KEY].engine.start()
 
 
+async def _exit_when_engine_dies(engine: AsyncEngine, grace_s: float = 1.0) -> None:
+    """``run_server`` only: once the engine thread has died (``/health`` is 503 and in-flight
+    requests got their error), wait ``grace_s`` for handlers to write those errors, then stop
+    the server as SIGTERM would; ``specserve serve`` then exits 1 so a supervisor restarts it."""
+    while engine.error is None:
+        await asyncio.sleep(0.1)
+    log.error("engine_dead", error=repr(engine.error))
+    await asyncio.sleep(grace_s)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 async def _on_shutdown(app: web.Application) -> None:
     """SIGTERM / cleanup: refuse new work, abort in-flight sequences (their clients get a final
     event with finish_reason "abort"), give the handlers time to write it, close sockets."""
@@ -418,6 +431,13 @@ def run_server(engine: AsyncEngine, config: ServerConfig, model: str | None = No
     """Serves until SIGINT/SIGTERM, then shuts down cleanly (see ``_on_shutdown``) and returns.
     The caller picks the event loop policy (uvloop in ``specserve serve``)."""
     app = create_app(engine, config, model)
+
+    async def watchdog(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(_exit_when_engine_dies(engine))
+        yield
+        task.cancel()
+
+    app.cleanup_ctx.append(watchdog)
     log.info("listening", host=config.host, port=config.port, model=app[APP_KEY].model_name)
     web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
                 handler_cancellation=True, shutdown_timeout=config.shutdown_timeout)

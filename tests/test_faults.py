@@ -88,3 +88,75 @@ def test_forward_exception_fails_that_step_and_serving_goes_on(model_dir, offlin
     finally:
         runner.forward = forward
         srv.stop()
+
+
+_DYING_SERVER = """
+import sys
+from specserve import cli
+from specserve.engine import LLMEngine
+
+class EngineThreadDeath(BaseException):  # not an Exception: nothing on the way catches it
+    pass
+
+step, calls = LLMEngine.step, [0]
+
+def dying_step(self):
+    calls[0] += 1
+    if calls[0] == 6:
+        raise EngineThreadDeath("injected: the engine thread dies")
+    return step(self)
+
+LLMEngine.step = dying_step
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_dead_engine_thread_fails_streams_and_the_process_exits_1(model_dir, tmp_path):  # noqa: F811
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = tmp_path / "dying_server.py"
+    script.write_text(_DYING_SERVER)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "serve", "--model", model_dir, "--port", str(port),
+         "--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "4",
+         "--max-model-len", "256", "--served-model-name", NAME, "--no-warmup"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=os.getcwd(),
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.getcwd()})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if http("GET", url + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        events: list[str] = []
+
+        async def run() -> tuple[int, str]:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={
+                        "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True,
+                        "stream": True}) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: "):
+                            events.append(line[6:].strip().decode())
+                async with s.get(url + "/health") as h:  # within the 1 s grace
+                    return h.status, (await h.json())["status"]
+
+        health = asyncio.run(run())
+        assert events[-1] == "[DONE]" and "engine failed" in events[-2], events[-3:]
+        assert health == (503, "failed")
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 1, err.decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

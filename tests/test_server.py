@@ -470,11 +470,12 @@ def test_n_streaming_logprobs_and_default_chat_length(server, offline):
 
 
 class BrokenEngine(AsyncEngine):
-    """The engine's step raises (a bug): requests must fail with 503, not hang."""
+    """The engine thread dies (an error no step handler catches): requests must fail with 503,
+    not hang. (An ordinary exception in a step fails only that step: see test_faults.py.)"""
 
     def _loop_body(self) -> None:
         def step():
-            raise RuntimeError("boom")
+            raise SystemExit("boom")
 
         self.engine.step = step
         super()._loop_body()
