@@ -25,6 +25,7 @@ from tests.test_server import (  # noqa: F401  (model_dir / offline are fixtures
     model_dir,
     offline,
     reference,
+    wait_healthy,
 )
 
 
@@ -130,14 +131,7 @@ def test_dead_engine_thread_fails_streams_and_the_process_exits_1(model_dir, tmp
         env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.getcwd()})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                if http("GET", url + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(url)
         events: list[str] = []
 
         async def run() -> tuple[int, str]:
