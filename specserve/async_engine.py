@@ -1,8 +1,13 @@
 """AsyncEngine: drives the synchronous ``LLMEngine`` from one dedicated thread for asyncio callers.
 
 Threading contract (``LLMEngine`` is not thread-safe):
-  - only the engine thread calls ``add_request`` / ``step`` / ``abort`` / ``encode``; the event
-    loop hands it commands through a ``queue.Queue`` that it drains before every step;
+  - only the engine thread calls ``add_request`` / ``step`` / ``abort``; the event loop hands it
+    commands through a ``queue.Queue`` that it drains before every step;
+  - text work that is neither the loop's nor the step's (chat templates, tokenizing prompts of up
+    to --max-body-bytes) runs on one "specserve-text" worker thread: the engine thread only ever
+    receives token ids, so a huge prompt never stalls the other streams' steps, and the loop
+    stays free. The tokenizer releases the GIL while it encodes. One worker serialises every
+    encode; the engine thread only decodes (read-only on the tokenizer);
   - the engine thread hands results back with ``loop.call_soon_threadsafe``: one call per step
     carrying every (request id, item) pair, where an item is a ``RequestOutput``, the
     ``_ACCEPTED`` acknowledgement of an add, or the exception the add raised;
@@ -21,12 +26,13 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from specserve.engine import LLMEngine
 from specserve.errors import InvalidRequestError
-from specserve.outputs import RequestOutput
+from specserve.outputs import OutputMerger, RequestOutput
 from specserve.sampling_params import SamplingParams, SpeculativeParams
 
 log = logging.getLogger(__name__)
@@ -37,6 +43,11 @@ _STOP = object()  # command: abort everything and leave the loop
 
 class EngineUnavailableError(RuntimeError):
     """The engine is warming up, shutting down or has failed (HTTP 503)."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; the requests in it were ended and their KV blocks freed, and the
+    engine goes on serving the others (HTTP 500 / an SSE or WebSocket error event)."""
 
 
 class QueueFullError(RuntimeError):
@@ -54,6 +65,7 @@ class EngineStats:
     kv_blocks_cached: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    step_failures: int = 0  # engine steps that raised (each failed its running requests)
     version: int = 0  # bumps on every publish
 
 
@@ -67,7 +79,11 @@ class _Add:
 
 
 class RequestStream:
-    """Async iterator over one request's outputs; the last one has ``finished`` set.
+    """Async iterator over one request's outputs (deltas); the last one has ``finished`` set.
+
+    The engine's deltas are merged while they wait (``OutputMerger``), so a reader that falls
+    behind gets one output carrying everything it has not read yet: what the stream holds is
+    bounded by what its client has not taken, never one queued object per engine step.
 
     Use it as ``async with stream:``; leaving the block (normally, by an exception or by task
     cancellation) before the final output aborts the request.
@@ -76,9 +92,37 @@ class RequestStream:
     def __init__(self, engine: AsyncEngine, request_id: str) -> None:
         self.request_id = request_id
         self._engine = engine
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending = OutputMerger()
+        self._error: BaseException | None = None
+        self._wake = asyncio.Event()
+        self._accepted_fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.finished = False
         self._closed = False
+
+    @property
+    def buffered_tokens(self) -> int:
+        """Output tokens delivered by the engine and not yet read."""
+        return self._pending.num_tokens
+
+    @property
+    def buffered_chars(self) -> int:
+        return self._pending.num_chars
+
+    def _put(self, item: Any) -> None:
+        """Event loop only: an output (merged into what is pending), the acknowledgement of the
+        add, or an exception (the add failed, or the engine failed afterwards)."""
+        if item is _ACCEPTED:
+            if not self._accepted_fut.done():
+                self._accepted_fut.set_result(None)
+            return
+        if isinstance(item, BaseException):
+            if not self._accepted_fut.done():
+                self._accepted_fut.set_exception(item)
+            elif self._error is None:
+                self._error = item
+        else:
+            self._pending.add(item)
+        self._wake.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -86,24 +130,35 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        while not self._pending and self._error is None:
+            self._wake.clear()
+            await self._wake.wait()
+        out = self._pending.take()
+        if out is None:  # what was delivered has been read; then the error
             self.finished = True
             self.close()
-            raise item
-        assert isinstance(item, RequestOutput)
-        if item.finished:
+            assert self._error is not None
+            raise self._error
+        if out.finished:
             self.finished = True
             self.close()
-        return item
+        return out
 
     async def _accepted(self) -> None:
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        try:
+            await self._accepted_fut
+        except BaseException:
             self.finished = True
             self.close()
-            raise item
-        assert item is _ACCEPTED
+            raise
+
+    def _forget_acceptance(self) -> None:
+        """The add as a whole failed: nobody will await this acknowledgement any more."""
+        fut = self._accepted_fut
+        if fut.done():
+            fut.exception()  # marks a failure as retrieved
+        else:
+            fut.cancel()
 
     def close(self) -> None:
         """Idempotent; aborts the request in the engine if it has not finished."""
@@ -135,6 +190,12 @@ class AsyncEngine:
         self._accepting = True
         self.error: BaseException | None = None
         self.stats = EngineStats()
+        self._step_failures = 0  # engine thread only
+        self._text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-text")
+        if engine.tokenizer is not None:
+            # The first encode may configure the tokenizer (truncation/padding state); do it
+            # here, before any other thread uses it, so later encodes and decodes only read it.
+            engine.encode("warm-up")
 
     # ---- lifecycle (event loop) ---------------------------------------------------------
 
@@ -184,6 +245,7 @@ class AsyncEngine:
         if thread is not None and thread.is_alive():
             self._commands.put(_STOP)
             await asyncio.to_thread(thread.join)
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests (event loop) ----------------------------------------------------------
 
@@ -212,7 +274,16 @@ class AsyncEngine:
         clamp_max_tokens: bool = False,
     ) -> list[RequestStream]:
         """Admits several requests all-or-nothing against the queue bound (n > 1, batched
-        prompts); if one is rejected the others are aborted and the error is raised."""
+        prompts); if one is rejected the others are aborted and the error is raised. Text
+        prompts are tokenized on the text worker first (each distinct prompt object once)."""
+        if not self.ready:
+            raise EngineUnavailableError(f"the engine is not ready ({self.state})")
+        encoded: dict[int, list[int]] = {}
+        for _, prompt, _, _ in requests:
+            if id(prompt) not in encoded:
+                encoded[id(prompt)] = await self.encode(prompt)
+        requests = [(rid, encoded[id(prompt)], params, spec)
+                    for rid, prompt, params, spec in requests]
         if not self.ready:
             raise EngineUnavailableError(f"the engine is not ready ({self.state})")
         if self.num_unfinished + len(requests) > self.capacity:
@@ -235,6 +306,7 @@ class AsyncEngine:
                 await s._accepted()
         except BaseException:
             for s in streams:
+                s._forget_acceptance()
                 s.close()
             raise
         return streams
@@ -252,6 +324,18 @@ class AsyncEngine:
             async for out in stream:
                 yield out
 
+    async def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt, tokenized off the event loop and off the engine thread."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._text_pool, self.engine.encode, prompt)
+
+    async def render_chat(self, messages: list[dict]) -> str:
+        """The chat template, rendered on the text worker (templates are arbitrary Jinja)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._text_pool, self.engine.render_chat, messages)
+
     def abort(self, request_id: str) -> None:
         """Asks the engine to abort; the stream still receives the final "abort" output."""
         if request_id in self._streams:
@@ -266,7 +350,7 @@ class AsyncEngine:
         for rid, item in items:
             stream = self._streams.get(rid)
             if stream is not None:
-                stream._queue.put_nowait(item)
+                stream._put(item)
 
     def _set_ready(self) -> None:
         self._ready = True
@@ -275,7 +359,7 @@ class AsyncEngine:
         """The thread has exited: whoever still waits gets an error instead of hanging."""
         reason = f"engine failed: {self.error!r}" if self.error else "the engine has stopped"
         for stream in list(self._streams.values()):
-            stream._queue.put_nowait(EngineUnavailableError(reason))
+            stream._put(EngineUnavailableError(reason))
 
     # ---- the engine thread --------------------------------------------------------------
 
@@ -320,9 +404,26 @@ class AsyncEngine:
                     if out is not None:
                         items.append((rid, self._snapshot(out)))
             elif engine.has_unfinished():
-                items.extend((o.request_id, self._snapshot(o)) for o in engine.step())
+                try:
+                    outs = engine.step()
+                except Exception as exc:  # a fault in this step: fail its requests, go on
+                    items.extend(self._fail_step(exc))
+                else:
+                    items.extend((o.request_id, self._snapshot(o)) for o in outs)
             self._publish_stats()
             self._post(items)
+
+    def _fail_step(self, exc: Exception) -> list[tuple[str, Any]]:
+        """Ends every request of the failed step (the running ones: their state may be half
+        updated) with an error and frees their blocks; waiting requests are untouched."""
+        log.exception("engine step failed; failing its requests and serving on")
+        self._step_failures += 1
+        error = EngineStepError(f"the engine step running this request failed: {exc!r}")
+        items: list[tuple[str, Any]] = []
+        for seq in list(self.engine.scheduler.running):
+            self.engine.abort(seq.request_id)
+            items.append((seq.request_id, error))
+        return items
 
     def _apply(self, cmd: tuple[str, Any]) -> list[tuple[str, Any]]:
         kind, arg = cmd
@@ -369,6 +470,7 @@ class AsyncEngine:
             kv_blocks_cached=bm.num_cached_blocks,
             prefix_query_tokens=bm.prefix_queries,
             prefix_hit_tokens=bm.prefix_hits,
+            step_failures=self._step_failures,
             version=self.stats.version + 1,
         )
 

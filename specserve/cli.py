@@ -200,8 +200,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pass
     configure_logging()
     engine = LLMEngine(engine_config)
-    run_server(AsyncEngine(engine, config.max_queue_len, config.warmup), config, args.model)
-    return 0
+    aengine = AsyncEngine(engine, config.max_queue_len, config.warmup)
+    run_server(aengine, config, args.model)
+    # A dead engine thread ends the process non-zero, so a supervisor restarts it.
+    return 1 if aengine.error is not None else 0
 
 
 def add_bench_parser(sub) -> None:

@@ -22,7 +22,7 @@ from specserve.block_manager import BlockManager
 from specserve.config import EngineConfig
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.output_processor import RequestState
-from specserve.outputs import RequestOutput
+from specserve.outputs import OutputMerger, RequestOutput
 from specserve.sampling import SampleRequest
 from specserve.sampling_params import SamplingParams, SpeculativeParams
 from specserve.scheduler import ScheduledBatch, Scheduler
@@ -392,7 +392,8 @@ class LLMEngine:
         params: SamplingParams | list[SamplingParams] | None = None,
         speculative: SpeculativeParams | None = None,
     ) -> list[RequestOutput]:
-        """Runs prompts to completion with continuous batching; outputs in prompt order."""
+        """Runs prompts to completion with continuous batching; complete outputs (all text,
+        token ids and logprobs) in prompt order."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompts)
@@ -403,9 +404,10 @@ class LLMEngine:
         ids = [f"offline-{next(self._seq_ids)}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params_list):
             self.add_request(rid, prompt, p, speculative)
-        finals: dict[str, RequestOutput] = {}
+        # Each step emits deltas; the offline API returns whole answers.
+        merged = {rid: OutputMerger() for rid in ids}
         while self.has_unfinished():
             for out in self.step():
-                if out.finished:
-                    finals[out.request_id] = out
-        return [finals[rid] for rid in ids]
+                if out.request_id in merged:
+                    merged[out.request_id].add(out)
+        return [m.take() for m in merged.values()]  # type: ignore[misc]

@@ -52,6 +52,9 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("specserve_prefix_cache_hits",
                                   "Prompt tokens served from the prefix cache",
                                   s.prefix_hit_tokens)
+        yield CounterMetricFamily("specserve_engine_step_failures",
+                                  "Engine steps that raised; their requests ended with an error",
+                                  s.step_failures)
         rate = s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0
         yield GaugeMetricFamily("specserve_prefix_cache_hit_rate",
                                 "Prefix-cache hits / queries, in tokens, since start", rate)

@@ -21,16 +21,25 @@ from specserve.tokenizer import IncrementalDetokenizer, find_stop, stream_holdba
 
 @dataclass
 class RequestState:
+    """Text is kept only as far as stop strings need it: ``unsent``, decoded but not yet emitted
+    (at most the stream hold-back plus one step's text). A stop string can never begin in text
+    already emitted: the hold-back (longest stop - 1 characters) means any stop string starting
+    there lay wholly inside the text at the time and was found then. Each step's output carries
+    only the new text, token ids and logprobs; nothing here grows with the answer except the
+    sequence's own token ids."""
+
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
     eos_token_ids: frozenset[int]
     max_model_len: int
     generator: torch.Generator | None = None  # the request's own RNG when it has a seed
-    text: str = ""
-    sent_text_len: int = 0
+    unsent: str = ""
     sent_token_len: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
     timings: RequestTimings = field(default_factory=RequestTimings)
+
+    def __post_init__(self) -> None:
+        self.holdback = stream_holdback(self.seq.params.stop)
 
     def append(self, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> int:
         """Applies tokens in order until one finishes the request; returns how many were taken
@@ -41,7 +50,7 @@ class RequestState:
             seq.append_token(token_id)
             taken += 1
             if lp is not None:
-                self.logprobs.append(lp)
+                self.new_logprobs.append(lp)
             n_out = seq.num_output_tokens
             stop_token = (
                 (token_id in self.eos_token_ids and not params.ignore_eos)
@@ -63,14 +72,17 @@ class RequestState:
         if self.detokenizer is None:
             return
         t0 = time.perf_counter()
-        before = len(self.text)
-        self.text += self.detokenizer.add(token_id)
+        new = self.detokenizer.add(token_id)
         stops = self.seq.params.stop
-        if stops and len(self.text) > before and self.seq.num_output_tokens >= 1:
-            match = find_stop(self.text, stops, before)
-            if match is not None and self.seq.num_output_tokens >= self.seq.params.min_tokens:
-                self.text = self.text[: match.text_end]
+        if new and stops and self.seq.num_output_tokens >= self.seq.params.min_tokens:
+            # A stop string spanning the unsent and the new text is found too.
+            window = self.unsent + new
+            match = find_stop(window, stops, len(self.unsent))
+            if match is not None:
+                self.unsent = window[: match.text_end]
                 self._finish(FinishReason.STOP, match.stop)
+                new = ""
+        self.unsent += new
         self.timings.detokenize_ms += (time.perf_counter() - t0) * 1e3
 
     def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:
@@ -80,22 +92,27 @@ class RequestState:
         self.seq.finish_reason = reason
         self.seq.stop_reason = stop_reason
         if reason == FinishReason.LENGTH and self.detokenizer is not None:
-            self.text += self.detokenizer.flush()
+            self.unsent += self.detokenizer.flush()
 
     def abort(self) -> None:
         self._finish(FinishReason.ABORT, None)
 
     def make_output(self) -> RequestOutput:
-        """The cumulative output plus what is new since the last call."""
+        """What is new since the last call (text past the hold-back, token ids, logprobs)."""
         seq = self.seq
         finished = seq.is_finished
-        holdback = 0 if finished else stream_holdback(seq.params.stop)
-        visible = max(self.sent_text_len, len(self.text) - holdback)
-        delta = self.text[self.sent_text_len : visible]
-        self.sent_text_len = visible
-        out_ids = seq.output_token_ids
-        new_ids = out_ids[self.sent_token_len :]
-        self.sent_token_len = len(out_ids)
+        holdback = 0 if finished else self.holdback
+        visible = max(0, len(self.unsent) - holdback)
+        delta = self.unsent[:visible]
+        if visible:
+            self.unsent = self.unsent[visible:]
+        n_out = seq.num_output_tokens
+        start = seq.num_prompt_tokens + self.sent_token_len
+        new_ids = seq.token_ids[start : seq.num_prompt_tokens + n_out]
+        self.sent_token_len = n_out
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs, self.new_logprobs = self.new_logprobs, []
         t = seq.timings
         self.timings.num_preemptions = t.num_preemptions
         if t.first_token is not None:
@@ -108,11 +125,10 @@ class RequestState:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            text=self.text[:visible],
-            token_ids=list(out_ids),
-            delta_text=delta,
-            new_token_ids=new_ids,
-            logprobs=list(self.logprobs) if seq.params.logprobs is not None else None,
+            text=delta,
+            token_ids=new_ids,
+            logprobs=logprobs,
+            num_output_tokens=n_out,
             finished=finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,

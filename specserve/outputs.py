@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 
 from specserve.sampling import TokenLogprob
@@ -41,19 +42,22 @@ class RequestTimings:
 
 @dataclass
 class RequestOutput:
-    """Cumulative state of one request plus what is new since the previous output.
+    """What is new for one request since its previous output (a delta), plus its running state.
 
-    ``delta_text`` is safe to stream: it never contains characters that might still turn out to
-    be the start of a stop string (they are held back until that is decided).
+    ``text``, ``token_ids`` and ``logprobs`` hold only what this output adds, so the engine's
+    per-step work and the memory a stream holds do not grow with the length of the answer.
+    ``text`` is safe to stream: it never contains characters that might still turn out to be the
+    start of a stop string (they are held back until that is decided). ``OutputMerger`` folds
+    consecutive deltas into one (a slow reader's backlog, or the whole answer for a
+    non-streaming response); ``LLMEngine.generate`` returns merged, complete outputs.
     """
 
     request_id: str
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    delta_text: str = ""
-    new_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
+    prompt_token_ids: list[int]  # the engine's own list, shared, never copied per step
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # None unless the request asked for logprobs
+    num_output_tokens: int = 0  # all output tokens so far, not only this delta's
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
@@ -63,6 +67,46 @@ class RequestOutput:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+
+class OutputMerger:
+    """Folds consecutive deltas of one request into a single output, in time linear in what they
+    carry (text goes to a ``StringIO``, ids and logprobs are extended in place).
+
+    It takes ownership of the outputs it is given: the first one becomes the merged one.
+    """
+
+    def __init__(self) -> None:
+        self._head: RequestOutput | None = None
+        self._text = io.StringIO()
+        self.num_chars = 0  # text held, for tests and gauges of what a reader has not taken
+
+    def __bool__(self) -> bool:
+        return self._head is not None
+
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids)
+    def num_tokens(self) -> int:
+        return 0 if self._head is None else len(self._head.token_ids)
+
+    def add(self, out: RequestOutput) -> None:
+        self._text.write(out.text)
+        self.num_chars += len(out.text)
+        head = self._head
+        if head is None:
+            self._head = out
+            return
+        head.token_ids.extend(out.token_ids)
+        if out.logprobs is not None:
+            if head.logprobs is None:
+                head.logprobs = []
+            head.logprobs.extend(out.logprobs)
+        head.num_output_tokens = out.num_output_tokens
+        head.finished, head.finish_reason = out.finished, out.finish_reason
+        head.stop_reason, head.timings = out.stop_reason, out.timings
+
+    def take(self) -> RequestOutput | None:
+        """The merged output (None if nothing was added); the merger starts empty again."""
+        head = self._head
+        if head is not None:
+            head.text = self._text.getvalue()
+        self._head, self._text, self.num_chars = None, io.StringIO(), 0
+        return head

@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 from specserve.errors import InvalidRequestError
 from specserve.outputs import RequestOutput, RequestTimings
@@ -22,6 +24,17 @@ from specserve.sampling import TokenLogprob
 from specserve.sampling_params import SamplingParams, SpeculativeParams
 
 MAX_N = 16
+MAX_LOGPROBS = 20
+
+# Bounds that msgspec checks while decoding (and that the OpenAPI document states); the engine's
+# SamplingParams.validate checks the same ranges for offline callers.
+Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=-1)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 # ---- requests ---------------------------------------------------------------------------
 
@@ -31,25 +44,25 @@ class StreamOptions(msgspec.Struct):
 
 
 class SpeculativeOptions(msgspec.Struct):
-    method: str | None = None  # draft | ngram | off; None keeps the server's
-    num_tokens: int | None = None  # 0-16; None keeps the server's k_max
+    method: str | None = None  # a proposer name or "off"; None keeps the server's
+    num_tokens: Annotated[int, Meta(ge=0, le=16)] | None = None  # None keeps the server's k_max
 
 
 class _Common(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat (OpenAI + vLLM-style extensions)."""
 
     model: str | None = None
-    temperature: float | None = None  # None: 1.0 (OpenAI's default); 0 = greedy
-    top_p: float | None = None
-    top_k: int | None = None  # -1 or 0 disables
+    temperature: Temperature | None = None  # None: 1.0 (OpenAI's default); 0 = greedy
+    top_p: TopP | None = None
+    top_k: TopK | None = None  # -1 or 0 disables
     seed: int | None = None  # choice i of n uses seed + i
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
+    stop_token_ids: list[NonNegativeInt] | None = None
+    n: NumChoices = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: NonNegativeInt = 0
     skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
     user: str | None = None
@@ -57,28 +70,43 @@ class _Common(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[int | str]  # text, token ids, or a list of texts (one choice set each)
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: PositiveInt | None = 16
+    logprobs: NumLogprobs | None = None
     echo: bool = False
 
 
-class ContentPart(msgspec.Struct):
-    type: str
-    text: str | None = None
+class TextPart(msgspec.Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class ImageUrl(msgspec.Struct):
+    url: str
+    detail: str | None = None
+
+
+class ImageUrlPart(msgspec.Struct, tag_field="type", tag="image_url"):
+    """Decoded only to answer it with a clear 400: the served models read text only."""
+
+    image_url: ImageUrl
+
+
+# OpenAI's chat roles; anything else is a 400 naming messages[i].role.
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Role
+    content: str | list[TextPart | ImageUrlPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # tool messages carry it; the template may use it
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # None: up to the context window
-    max_completion_tokens: int | None = None
+    max_tokens: PositiveInt | None = None  # None: up to the context window
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
 
 
 _AT = re.compile(r"at `\$\.?([^`]*)`")
@@ -94,6 +122,16 @@ def validation_param(message: str) -> str | None:
     if missing:
         path = f"{path}.{missing.group(1)}" if path else missing.group(1)
     return path or None
+
+
+_HINTS = {"role": "roles are system, developer, user, assistant and tool",
+          "type": "content parts are {\"type\": \"text\", \"text\": ...}"}
+
+
+def validation_message(message: str, param: str | None) -> str:
+    """msgspec's message plus what is allowed where msgspec only says what was wrong."""
+    hint = _HINTS.get((param or "").rsplit(".", 1)[-1])
+    return f"{message} ({hint})" if hint and "Invalid" in message else message
 
 
 def _sampling(req: _Common, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
@@ -175,11 +213,18 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise InvalidRequestError("only text content parts are supported",
-                                          param=f"messages[{i}].content")
-            content = "".join(part.text or "" for part in content)
-        out.append({"role": m.role, "content": content or ""})
+            for j, part in enumerate(content):
+                if isinstance(part, ImageUrlPart):
+                    raise InvalidRequestError(
+                        "images are not supported: the served model reads text only; send "
+                        "text content parts", param=f"messages[{i}].content[{j}]")
+            content = "".join(part.text for part in content if isinstance(part, TextPart))
+        msg = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
     return out
 
 
@@ -288,6 +333,15 @@ class ModelCard(msgspec.Struct):
 class ModelList(msgspec.Struct):
     object: str
     data: list[ModelCard]
+
+
+class HealthResponse(msgspec.Struct):
+    status: str  # ok | warming_up | shutting_down | failed
+    kv_blocks_free: int
+    kv_blocks_total: int
+    num_running: int
+    num_waiting: int
+    num_in_flight: int
 
 
 class ErrorInfo(msgspec.Struct):

@@ -6,7 +6,9 @@ while prefilling); a step packs running sequences first (FCFS), then admits wait
 token budget ``max_num_batched_tokens`` or ``max_num_seqs`` is reached. A prompt larger than the
 remaining budget is fed in chunks over several steps (chunked prefill), mixed with decodes.
 
-When the KV pool runs dry, the newest running sequence is preempted by recompute: its blocks are
+When the KV pool runs dry, speculation yields first: the sequence's own lookahead (k) drops to 0,
+then the lookahead of the sequences already scheduled this step is returned. Only then is the
+newest running sequence preempted by recompute: its blocks are
 freed and it returns to the front of the waiting queue with its outputs so far, to be prefilled
 again later (a prefix-cache hit usually makes that cheap). A sequence is always in exactly one of
 ``waiting`` / ``running`` until it finishes, so no request is lost or duplicated.
@@ -85,6 +87,11 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             k = min(seq.spec_k, budget - n) if seq.num_tokens - seq.num_computed_tokens == 1 else 0
             while not self.block_manager.allocate_slots(seq, n, k):
+                if k:  # drop this sequence's drafts before preempting anyone for their slots
+                    k = 0
+                    continue
+                if self._drop_lookahead(batch):  # then the drafts of those already scheduled
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -118,6 +125,18 @@ class Scheduler:
             batch.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
+
+    def _drop_lookahead(self, batch: ScheduledBatch) -> bool:
+        """Speculation yields before anyone is preempted: returns the lookahead blocks of the
+        sequences already scheduled (their k becomes 0 this step). False if there were none."""
+        dropped = False
+        for s in batch.scheduled:
+            if s.num_lookahead:
+                seq = s.seq
+                self.block_manager.truncate(seq, seq.num_computed_tokens + s.num_new_tokens)
+                s.num_lookahead = 0
+                dropped = True
+        return dropped
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream: true`` -> SSE ending with
 ``data: [DONE]``), GET /v1/models, GET /ws (WebSocket streaming; protocol below and in the README),
-GET /health (503 until warm-up is done), GET /metrics (Prometheus text).
+GET /health (503 until warm-up is done), GET /metrics (Prometheus text), GET /openapi.json
+(the OpenAPI 3.1 document generated from protocol.py's types).
 
 Invariants: the event loop never runs a forward pass (the engine thread does); every admitted
 sequence is closed by the handler that admitted it (``finally``), so a client that goes away,
@@ -13,6 +14,8 @@ reaches the client as ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,13 +29,15 @@ from aiohttp import web
 from specserve import protocol as P
 from specserve.async_engine import (
     AsyncEngine,
+    EngineStepError,
     EngineUnavailableError,
     QueueFullError,
     RequestStream,
 )
 from specserve.errors import InvalidRequestError
 from specserve.metrics import CONTENT_TYPE, ServerMetrics
-from specserve.outputs import RequestOutput
+from specserve.openapi import openapi_document
+from specserve.outputs import OutputMerger, RequestOutput
 from specserve.sampling_params import SamplingParams, SpeculativeParams
 from specserve.server_config import ServerConfig
 
@@ -57,7 +62,9 @@ def error_of(exc: BaseException) -> tuple[int, P.ErrorInfo]:
     if isinstance(exc, InvalidRequestError):
         return 400, P.ErrorInfo(exc.message, "invalid_request_error", exc.param)
     if isinstance(exc, msgspec.ValidationError):
-        return 400, P.ErrorInfo(str(exc), "invalid_request_error", P.validation_param(str(exc)))
+        param = P.validation_param(str(exc))
+        return 400, P.ErrorInfo(P.validation_message(str(exc), param), "invalid_request_error",
+                                param)
     if isinstance(exc, msgspec.DecodeError):
         return 400, P.ErrorInfo(f"the body is not valid JSON: {exc}", "invalid_request_error",
                                 code="invalid_json")
@@ -65,6 +72,8 @@ def error_of(exc: BaseException) -> tuple[int, P.ErrorInfo]:
         return 429, P.ErrorInfo(str(exc), "rate_limit_error", code="queue_full")
     if isinstance(exc, EngineUnavailableError):
         return 503, P.ErrorInfo(str(exc), "service_unavailable", code="not_ready")
+    if isinstance(exc, EngineStepError):
+        return 500, P.ErrorInfo(str(exc), "internal_error", code="engine_step_failed")
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return 413, P.ErrorInfo("the request body is too large (see --max-body-bytes)",
                                 "invalid_request_error", code="body_too_large")
@@ -100,6 +109,7 @@ class Server:
         self.websockets: set[web.WebSocketResponse] = set()
         self.started = int(time.time())
         self._token_text: dict[int, str] = {}
+        self.openapi: bytes | None = None  # GET /openapi.json, built on first request
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -109,13 +119,14 @@ class Server:
             self._token_text[token_id] = text
         return text
 
-    def parse(self, kind: str, body: bytes, stream: bool | None = None) -> Job:
-        """Decodes and validates a completions / chat body; raises 400/404-class errors."""
+    async def parse(self, kind: str, body: bytes, stream: bool | None = None) -> Job:
+        """Decodes and validates a completions / chat body (the chat template renders on the
+        engine's text worker, not on the loop); raises 400/404-class errors."""
         if kind == "chat":
             chat = msgspec.json.decode(body, type=P.ChatCompletionRequest)
             messages = P.chat_messages(chat)
             try:
-                prompt: str | list[int] = self.engine.engine.render_chat(messages)
+                prompt: str | list[int] = await self.engine.render_chat(messages)
             except InvalidRequestError:
                 raise
             except Exception as exc:  # the model's template rejected the conversation
@@ -162,10 +173,10 @@ class Server:
                     i = pending.pop(fut)
                     out = fut.result()
                     now = time.perf_counter()
-                    if out.timings.ttft_ms is not None and len(out.token_ids) > len(
-                        out.new_token_ids
+                    if out.timings.ttft_ms is not None and out.num_output_tokens > len(
+                        out.token_ids
                     ):
-                        self.metrics.observe_gap(now - last[i], len(out.new_token_ids))
+                        self.metrics.observe_gap(now - last[i], len(out.token_ids))
                     last[i] = now
                     if out.finished:
                         self.metrics.observe_finished(out)
@@ -252,42 +263,40 @@ async def _api(request: web.Request, kind: str) -> web.StreamResponse:
     server = request.app[APP_KEY]
     if not server.engine.ready:  # cheap early answer; add_requests checks again
         raise EngineUnavailableError(f"the engine is not ready ({server.engine.state})")
-    job = server.parse(kind, await _body(request))
+    job = await server.parse(kind, await _body(request))
     streams = await server.admit(job, tenant_of(request))
     finals: list[RequestOutput | None] = [None] * len(streams)
-    if not job.stream:
+    if not job.stream:  # the deltas of each choice merged into its whole answer
+        merged = [OutputMerger() for _ in streams]
         async for i, out in server.outputs(streams):
-            if out.finished:
-                finals[i] = out
-        outs = [o for o in finals if o is not None]
+            merged[i].add(out)
+        outs = [o for o in (m.take() for m in merged) if o is not None]
         _finish_log(request, job, outs)
         return _json(_response(server, job, outs))
     resp = web.StreamResponse(headers=_SSE_HEADERS)
     await resp.prepare(request)
-    sent_lp = [0] * len(streams)
     sent_chars = [0] * len(streams)
     try:
         if kind == "chat":
             for i in range(len(streams)):
                 await resp.write(_sse(_chat_chunk(job, i, P.ChatDelta("assistant", ""))))
         async for i, out in server.outputs(streams):
-            lps = (out.logprobs or [])[sent_lp[i]:] if job.logprobs else []
-            if not (out.delta_text or out.finished or lps):
+            lps = (out.logprobs or []) if job.logprobs else []
+            if not (out.text or out.finished or lps):
                 continue
-            sent_lp[i] += len(lps)
             reason = out.finish_reason if out.finished else None
             timings = P.timings_of([out]) if out.finished else None
             if kind == "chat":
                 lp = P.chat_logprobs(lps, server.token_text) if job.logprobs else None
-                delta = P.ChatDelta(content=out.delta_text or None)
+                delta = P.ChatDelta(content=out.text or None)
                 chunk: object = _chat_chunk(job, i, delta, lp, reason, timings)
             else:
                 lp2 = (P.completion_logprobs(lps, server.token_text, sent_chars[i])
                        if job.logprobs else None)
-                choice = P.CompletionChoice(i, out.delta_text, lp2, reason)
+                choice = P.CompletionChoice(i, out.text, lp2, reason)
                 chunk = P.CompletionResponse(job.id, "text_completion", job.created, job.model,
                                              [choice], timings=timings)
-            sent_chars[i] += len(out.delta_text)
+            sent_chars[i] += len(out.text)
             await resp.write(_sse(chunk))
             if out.finished:
                 finals[i] = out
@@ -300,7 +309,7 @@ async def _api(request: web.Request, kind: str) -> web.StreamResponse:
                                                   job.model, [], usage, timings))
             await resp.write(_sse(final))
         _finish_log(request, job, outs)
-    except EngineUnavailableError as exc:  # the engine died or stopped mid-stream
+    except (EngineUnavailableError, EngineStepError) as exc:  # the engine failed mid-stream
         await resp.write(_sse(P.ErrorResponse(error_of(exc)[1])))
     await resp.write(_DONE)
     await resp.write_eof()
@@ -353,10 +362,16 @@ async def models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     engine = request.app[APP_KEY].engine
     st = engine.stats
-    body = {"status": engine.state, "kv_blocks_free": st.kv_blocks_free,
-            "kv_blocks_total": st.kv_blocks_total, "num_running": st.num_running,
-            "num_waiting": st.num_waiting, "num_in_flight": engine.num_unfinished}
+    body = P.HealthResponse(engine.state, st.kv_blocks_free, st.kv_blocks_total,
+                            st.num_running, st.num_waiting, engine.num_unfinished)
     return _json(body, 200 if engine.ready else 503)
+
+
+async def openapi(request: web.Request) -> web.Response:
+    server = request.app[APP_KEY]
+    if server.openapi is None:
+        server.openapi = _enc.encode(openapi_document(bool(server.config.api_key)))
+    return web.Response(body=server.openapi, content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -366,6 +381,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def _on_startup(app: web.Application) -> None:
     app[APP_KEY].engine.start()
+
+
+async def _exit_when_engine_dies(engine: AsyncEngine, grace_s: float = 1.0) -> None:
+    """``run_server`` only: once the engine thread has died (``/health`` is 503 and in-flight
+    requests got their error), wait ``grace_s`` for handlers to write those errors, then stop
+    the server as SIGTERM would; ``specserve serve`` then exits 1 so a supervisor restarts it."""
+    while engine.error is None:
+        await asyncio.sleep(0.1)
+    log.error("engine_dead", error=repr(engine.error))
+    await asyncio.sleep(grace_s)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -395,6 +421,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, model: str | None = No
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     from specserve.ws import websocket_handler  # ws.py builds on this module's helpers
 
     app.router.add_get("/ws", websocket_handler)
@@ -419,6 +446,13 @@ def run_server(engine: AsyncEngine, config: ServerConfig, model: str | None = No
     """Serves until SIGINT/SIGTERM, then shuts down cleanly (see ``_on_shutdown``) and returns.
     The caller picks the event loop policy (uvloop in ``specserve serve``)."""
     app = create_app(engine, config, model)
+
+    async def watchdog(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(_exit_when_engine_dies(engine))
+        yield
+        task.cancel()
+
+    app.cleanup_ctx.append(watchdog)
     log.info("listening", host=config.host, port=config.port, model=app[APP_KEY].model_name)
     web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
                 handler_cancellation=True, shutdown_timeout=config.shutdown_timeout)

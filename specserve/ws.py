@@ -52,7 +52,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     async def run(cid: str, kind: str, data: bytes) -> None:
         status: int | str = 200
         try:
-            job = server.parse(kind, data, stream=True)
+            job = await server.parse(kind, data, stream=True)
             if len(job.seqs) != 1:
                 raise InvalidRequestError("n must be 1 (and prompt a single one) over the "
                                           "WebSocket; open one request per choice", param="n")
@@ -60,12 +60,14 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
             streams = await server.admit(job, tenant_of(request))
             if cid in cancelled:
                 server.engine.abort(streams[0].request_id)
+            parts: list[str] = []  # the "done" event repeats the whole text
             async for _, out in server.outputs(streams):
-                if out.delta_text or out.new_token_ids:
-                    await send(P.WsToken("token", cid, out.delta_text, out.new_token_ids))
+                if out.text or out.token_ids:
+                    parts.append(out.text)
+                    await send(P.WsToken("token", cid, out.text, out.token_ids))
                 if out.finished:
                     await send(P.WsDone("done", cid, out.finish_reason, P.usage_of([out]),
-                                        P.timings_of([out]), out.text))
+                                        P.timings_of([out]), "".join(parts)))
                     log.info("request", endpoint="/ws", request_id=job.id, status=200,
                              finish_reason=out.finish_reason,
                              prompt_tokens=out.num_prompt_tokens,

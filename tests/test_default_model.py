@@ -115,7 +115,7 @@ def test_streamed_deltas_never_leak_a_stop_string(engine):
     streamed = ""
     while engine.has_unfinished():
         for out in engine.step():
-            streamed += out.delta_text
+            streamed += out.text
             assert stop not in streamed
     assert streamed == full[: full.index(stop)]
 

@@ -112,3 +112,39 @@ def test_fcfs_admission_order():
     seqs = [new_seq(i, 4, 2) for i in range(4)]
     steps, finished = run_to_completion(sched, bm, seqs)
     assert finished == [0, 1, 2, 3]
+
+
+def test_lookahead_drops_to_zero_before_anyone_is_preempted():
+    """Two decoding sequences asking for 4 lookahead slots each, in a pool with room for their
+    next token but not for their drafts: both run with k = 0, nobody is preempted."""
+    sched, bm = make(num_blocks=4, block_size=4, budget=32)
+    seqs = [new_seq(i, 7, 50) for i in range(2)]  # 7 prompt tokens: 2 blocks each
+    for s in seqs:
+        sched.add(s)
+    sched.schedule()  # prefill both: 4 blocks in use, slot 8 of each still free
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens
+        s.append_token(1)  # the sampled token; its KV goes in slot 8
+        s.spec_k = 4  # 4 drafts would need a third block each
+    batch = sched.schedule()
+    assert not batch.preempted and len(batch.scheduled) == 2
+    assert [s.num_lookahead for s in batch.scheduled] == [0, 0]
+    assert bm.num_free_blocks == 0
+
+
+def test_lookahead_of_others_is_returned_before_preempting():
+    """The first sequence gets its lookahead block; the second cannot fit even its next token
+    until that block is returned: the first's k drops to 0 and nobody is preempted."""
+    sched, bm = make(num_blocks=5, block_size=4, budget=32)
+    seqs = [new_seq(0, 7, 50), new_seq(1, 8, 50)]  # 2 blocks each; seq 1's block 2 is full
+    for s in seqs:
+        sched.add(s)
+    sched.schedule()
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens
+        s.append_token(1)
+        s.spec_k = 4
+    batch = sched.schedule()
+    assert not batch.preempted and len(batch.scheduled) == 2
+    assert [s.num_lookahead for s in batch.scheduled] == [0, 0]
+    assert len(seqs[0].block_table) == 2 and len(seqs[1].block_table) == 3

@@ -111,6 +111,19 @@ def http(method: str, url: str, body: object = None, raw: bytes | None = None,
         return status, text
 
 
+def wait_healthy(url: str, timeout: float = 90) -> None:
+    """Polls a server in another process until /health answers 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if http("GET", url + "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    pytest.fail("server never became ready")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tiny_llama"))
@@ -399,16 +412,7 @@ def test_cli_serve_sigterm_aborts_in_flight_and_exits_0(model_dir, unused_tcp_po
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                if http("GET", url + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.2)
-        else:
-            pytest.fail("server never became ready")
+        wait_healthy(url)
 
         async def run() -> tuple[str, str]:
             async with aiohttp.ClientSession() as s:
@@ -470,11 +474,12 @@ def test_n_streaming_logprobs_and_default_chat_length(server, offline):
 
 
 class BrokenEngine(AsyncEngine):
-    """The engine's step raises (a bug): requests must fail with 503, not hang."""
+    """The engine thread dies (an error no step handler catches): requests must fail with 503,
+    not hang. (An ordinary exception in a step fails only that step: see test_faults.py.)"""
 
     def _loop_body(self) -> None:
         def step():
-            raise RuntimeError("boom")
+            raise SystemExit("boom")
 
         self.engine.step = step
         super()._loop_body()
