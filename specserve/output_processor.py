@@ -16,6 +16,7 @@ import torch
 from specserve.outputs import RequestOutput, RequestTimings
 from specserve.sampling import TokenLogprob
 from specserve.sequence import FinishReason, Sequence
+from specserve.text_sources import TextSources
 from specserve.tokenizer import IncrementalDetokenizer, find_stop, stream_holdback
 
 
@@ -31,14 +32,19 @@ class RequestState:
     sent_token_len: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     timings: RequestTimings = field(default_factory=RequestTimings)
+    from_draft: list[bool] = field(default_factory=list)  # per output token (see RequestOutput)
+    sources: TextSources = field(default_factory=TextSources)  # per character of ``text``
 
-    def append(self, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> int:
+    def append(self, token_ids: list[int], logprobs: list[TokenLogprob | None],
+               num_from_draft: int = 0) -> int:
         """Applies tokens in order until one finishes the request; returns how many were taken
-        (the rest, speculative tokens past a stop, are discarded by the caller)."""
+        (the rest, speculative tokens past a stop, are discarded by the caller). The first
+        ``num_from_draft`` tokens are accepted drafts, the rest the target's own."""
         seq, params = self.seq, self.seq.params
         taken = 0
         for token_id, lp in zip(token_ids, logprobs):
             seq.append_token(token_id)
+            self.from_draft.append(taken < num_from_draft)
             taken += 1
             if lp is not None:
                 self.logprobs.append(lp)
@@ -65,11 +71,13 @@ class RequestState:
         t0 = time.perf_counter()
         before = len(self.text)
         self.text += self.detokenizer.add(token_id)
+        self.sources.extend(len(self.text), self.from_draft[-1])
         stops = self.seq.params.stop
         if stops and len(self.text) > before and self.seq.num_output_tokens >= 1:
             match = find_stop(self.text, stops, before)
             if match is not None and self.seq.num_output_tokens >= self.seq.params.min_tokens:
                 self.text = self.text[: match.text_end]
+                self.sources.truncate(len(self.text))
                 self._finish(FinishReason.STOP, match.stop)
         self.timings.detokenize_ms += (time.perf_counter() - t0) * 1e3
 
@@ -81,6 +89,7 @@ class RequestState:
         self.seq.stop_reason = stop_reason
         if reason == FinishReason.LENGTH and self.detokenizer is not None:
             self.text += self.detokenizer.flush()
+            self.sources.extend(len(self.text), bool(self.from_draft and self.from_draft[-1]))
 
     def abort(self) -> None:
         self._finish(FinishReason.ABORT, None)
@@ -95,6 +104,7 @@ class RequestState:
         self.sent_text_len = visible
         out_ids = seq.output_token_ids
         new_ids = out_ids[self.sent_token_len :]
+        new_from_draft = self.from_draft[self.sent_token_len :]
         self.sent_token_len = len(out_ids)
         t = seq.timings
         self.timings.num_preemptions = t.num_preemptions
@@ -117,4 +127,6 @@ class RequestState:
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
             timings=self.timings,
+            new_from_draft=new_from_draft,
+            delta_spans=self.sources.spans(visible - len(delta), visible),
         )

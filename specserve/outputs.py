@@ -58,6 +58,13 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     timings: RequestTimings = field(default_factory=RequestTimings)
+    # Where the new tokens came from, for showing acceptance (the playground): per token of
+    # ``new_token_ids``, True when it was a draft token the target accepted (False: the target's
+    # own bonus / recovered token, a prefill's first token, or plain decoding). ``delta_spans``
+    # covers ``delta_text`` in order as (length in code points, from_draft) runs. Both are
+    # deltas: merging two outputs concatenates them.
+    new_from_draft: list[bool] = field(default_factory=list)
+    delta_spans: list[tuple[int, bool]] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
