@@ -31,12 +31,13 @@ from tests.test_server import (  # noqa: F401  (model_dir / offline are fixtures
 
 CHROMIUM = (os.environ.get("SPECSERVE_CHROMIUM") or shutil.which("chromium")
             or shutil.which("chromium-browser"))
+NO_CHROMIUM = ("no Chromium on PATH (Debian: apt-get install chromium; `make test` installs it "
+               "when run as root or with sudo; SPECSERVE_CHROMIUM=/path/to/chrome also works)")
+if CHROMIUM is None and os.environ.get("SPECSERVE_REQUIRE_BROWSER") == "1":  # .ci/run sets it
+    raise RuntimeError(NO_CHROMIUM + ", but SPECSERVE_REQUIRE_BROWSER=1")
 sync_api = pytest.importorskip(
     "playwright.sync_api", reason="playwright is a dev dependency: pip install -e '.[dev]'")
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="no Chromium on PATH (Debian: apt-get install chromium; `make test` installs it "
-           "when run as root or with sudo)")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 PROMPT = "The little robot walked into the"
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
