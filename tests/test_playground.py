@@ -154,3 +154,24 @@ def test_phone_width_has_no_sideways_scroll(page, tmp_path):
         page.screenshot(path=str(tmp_path / "playground-phone.png"), full_page=True)
     finally:
         page.set_viewport_size({"width": 1280, "height": 800})
+
+
+def test_side_c_streams_another_openai_server(page, server, offline):  # noqa: F811
+    # "Another server" is this one's own REST API (same origin, so no CORS in the way): side C
+    # reads its SSE stream and must show the same greedy text as the WebSocket sides.
+    want = reference(offline, [PROMPT], 24, ignore_eos=True)[0].text
+    _settings(page, 24)
+    page.check("#use-c")
+    page.fill("#url-c", server.url)
+    page.fill("#key-c", KEY)
+    page.fill("#model-c", "")  # take the first of its /v1/models
+    try:
+        page.click("#run")
+        for side in ("a", "b", "c"):
+            sync_api.expect(page.locator(f"#panel-{side}")).to_have_attribute(
+                "data-state", "done", timeout=60_000)
+        assert page.inner_text("#panel-c [data-out]") == want
+        assert page.inner_text("#panel-c [data-stat=tokens]") == "24"  # from the final usage
+        assert "B over C" in page.inner_text("#summary")
+    finally:
+        page.uncheck("#use-c")

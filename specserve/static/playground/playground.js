@@ -474,7 +474,12 @@
   $("form").addEventListener("submit", run);
   cancelBtn.addEventListener("click", cancel);
   $("api-key").addEventListener("change", loadInfo);
-  $("use-c").addEventListener("change", () => { $("panel-c").hidden = !$("use-c").checked; });
+  $("use-c").addEventListener("change", () => {
+    const on = $("use-c").checked;
+    $("c-fields").hidden = !on;
+    $("use-c").setAttribute("aria-expanded", String(on));
+    if (!sideC) $("panel-c").hidden = !on;
+  });
   document.addEventListener("keydown", (ev) => {
     if (ev.key === "Enter" && (ev.ctrlKey || ev.metaKey)) run(ev);
     else if (ev.key === "Escape" && !cancelBtn.disabled) cancel();
