@@ -485,5 +485,6 @@
     else if (ev.key === "Escape" && !cancelBtn.disabled) cancel();
   });
   setRunning(false);
-  loadInfo().then(() => connect().catch((err) => setConn(err.message, false)));
+  // Connect at once when the server answered (with a key to ask for, the first Run connects).
+  loadInfo().then(() => info && connect().catch((err) => setConn(err.message, false)));
 })();
