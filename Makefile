@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is speculative decoding? Answer in two sentences.
 
-.PHONY: install serve generate test lint bench clean
+.PHONY: install chromium serve generate test lint bench clean
 
 $(BIN)/specserve: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,7 +28,23 @@ serve: install
 generate: install
 	$(BIN)/specserve generate --chat "$(PROMPT)"
 
-test: install
+# tests/test_playground.py drives the system Chromium (Playwright never downloads one). Install
+# it with apt when it is missing and we may (root, or password-less sudo); otherwise that one test
+# skips and says why.
+chromium:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+		:; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+		echo "no apt-get: install Chromium yourself, or the browser test skips"; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+		sudo apt-get update -q && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else \
+		echo "Chromium missing and no root/sudo to install it: the browser test skips"; \
+	fi
+
+test: install chromium
 	$(BIN)/python -m pytest
 
 lint: install

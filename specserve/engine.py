@@ -321,7 +321,8 @@ class LLMEngine:
                 t.num_verify_steps += 1
             if seq.timings.first_token is None:
                 seq.timings.first_token = t_sample
-            state.append(tokens, logprobs)  # stops cut the tokens where plain decoding would
+            # Stops cut the tokens where plain decoding would; the first `accepted` are drafts.
+            state.append(tokens, logprobs, accepted if seq_drafts else 0)
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             spec.after_verify(s, n_before, seq_drafts, accepted)
             if seq.is_finished:

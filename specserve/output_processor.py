@@ -16,6 +16,7 @@ import torch
 from specserve.outputs import RequestOutput, RequestTimings
 from specserve.sampling import TokenLogprob
 from specserve.sequence import FinishReason, Sequence
+from specserve.text_sources import TextSources
 from specserve.tokenizer import IncrementalDetokenizer, find_stop, stream_holdback
 
 
@@ -37,17 +38,24 @@ class RequestState:
     sent_token_len: int = 0
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     timings: RequestTimings = field(default_factory=RequestTimings)
+    # Origins for showing acceptance (RequestOutput.new_from_draft / delta_spans), also deltas:
+    # per token appended since the last output, and per character of ``unsent``.
+    new_from_draft: list[bool] = field(default_factory=list)
+    unsent_sources: TextSources = field(default_factory=TextSources)
 
     def __post_init__(self) -> None:
         self.holdback = stream_holdback(self.seq.params.stop)
 
-    def append(self, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> int:
+    def append(self, token_ids: list[int], logprobs: list[TokenLogprob | None],
+               num_from_draft: int = 0) -> int:
         """Applies tokens in order until one finishes the request; returns how many were taken
-        (the rest, speculative tokens past a stop, are discarded by the caller)."""
+        (the rest, speculative tokens past a stop, are discarded by the caller). The first
+        ``num_from_draft`` tokens are accepted drafts, the rest the target's own."""
         seq, params = self.seq, self.seq.params
         taken = 0
         for token_id, lp in zip(token_ids, logprobs):
             seq.append_token(token_id)
+            self.new_from_draft.append(taken < num_from_draft)
             taken += 1
             if lp is not None:
                 self.new_logprobs.append(lp)
@@ -80,9 +88,12 @@ class RequestState:
             match = find_stop(window, stops, len(self.unsent))
             if match is not None:
                 self.unsent = window[: match.text_end]
+                self.unsent_sources.extend(len(self.unsent), self.new_from_draft[-1])
+                self.unsent_sources.truncate(len(self.unsent))
                 self._finish(FinishReason.STOP, match.stop)
                 new = ""
         self.unsent += new
+        self.unsent_sources.extend(len(self.unsent), self.new_from_draft[-1])
         self.timings.detokenize_ms += (time.perf_counter() - t0) * 1e3
 
     def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:
@@ -93,6 +104,9 @@ class RequestState:
         self.seq.stop_reason = stop_reason
         if reason == FinishReason.LENGTH and self.detokenizer is not None:
             self.unsent += self.detokenizer.flush()
+            self.unsent_sources.extend(
+                len(self.unsent), bool(self.new_from_draft and self.new_from_draft[-1])
+            )
 
     def abort(self) -> None:
         self._finish(FinishReason.ABORT, None)
@@ -104,12 +118,15 @@ class RequestState:
         holdback = 0 if finished else self.holdback
         visible = max(0, len(self.unsent) - holdback)
         delta = self.unsent[:visible]
+        spans = self.unsent_sources.spans(0, visible)
         if visible:
             self.unsent = self.unsent[visible:]
+            self.unsent_sources.drop_prefix(visible)
         n_out = seq.num_output_tokens
         start = seq.num_prompt_tokens + self.sent_token_len
         new_ids = seq.token_ids[start : seq.num_prompt_tokens + n_out]
         self.sent_token_len = n_out
+        new_from_draft, self.new_from_draft = self.new_from_draft, []  # one per id in new_ids
         logprobs = None
         if seq.params.logprobs is not None:
             logprobs, self.new_logprobs = self.new_logprobs, []
@@ -133,4 +150,6 @@ class RequestState:
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
             timings=self.timings,
+            new_from_draft=new_from_draft,
+            delta_spans=spans,
         )

@@ -62,6 +62,13 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     timings: RequestTimings = field(default_factory=RequestTimings)
+    # Where the new tokens came from, for showing acceptance (the playground): per token of
+    # ``token_ids``, True when it was a draft token the target accepted (False: the target's
+    # own bonus / recovered token, a prefill's first token, or plain decoding). ``delta_spans``
+    # covers ``text`` in order as (length in code points, from_draft) runs. Both are
+    # deltas: merging two outputs concatenates them.
+    new_from_draft: list[bool] = field(default_factory=list)
+    delta_spans: list[tuple[int, bool]] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,6 +102,12 @@ class OutputMerger:
             self._head = out
             return
         head.token_ids.extend(out.token_ids)
+        head.new_from_draft.extend(out.new_from_draft)
+        for length, flag in out.delta_spans:  # adjacent runs of one origin join
+            if head.delta_spans and head.delta_spans[-1][1] == flag:
+                head.delta_spans[-1] = (head.delta_spans[-1][0] + length, flag)
+            else:
+                head.delta_spans.append((length, flag))
         if out.logprobs is not None:
             if head.logprobs is None:
                 head.logprobs = []

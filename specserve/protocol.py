@@ -430,6 +430,20 @@ class WsToken(msgspec.Struct):
     id: str
     text: str
     token_ids: list[int]
+    # Additive (old clients ignore them): per token of token_ids, whether it was an accepted
+    # draft token; `text` as [length in code points, from_draft] runs; the request's running
+    # drafted / accepted / verify-step counts (acceptance rate, mean accepted length).
+    from_draft: list[bool] = []
+    text_spans: list[tuple[int, bool]] = []
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+
+
+def ws_token(cid: str, out: RequestOutput) -> WsToken:
+    t = out.timings
+    return WsToken("token", cid, out.text, out.token_ids, out.new_from_draft,
+                   out.delta_spans, t.num_drafted, t.num_accepted, t.num_verify_steps)
 
 
 class WsDone(msgspec.Struct):

@@ -3,7 +3,8 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (``stream: true`` -> SSE ending with
 ``data: [DONE]``), GET /v1/models, GET /ws (WebSocket streaming; protocol below and in the README),
 GET /health (503 until warm-up is done), GET /metrics (Prometheus text), GET /openapi.json
-(the OpenAPI 3.1 document generated from protocol.py's types).
+(the OpenAPI 3.1 document generated from protocol.py's types), GET / and /playground (the A/B
+playground page, see playground.py).
 
 Invariants: the event loop never runs a forward pass (the engine thread does); every admitted
 sequence is closed by the handler that admitted it (``finally``), so a client that goes away,
@@ -204,6 +205,23 @@ def tenant_of(request: web.Request) -> str:
     return request.get(TENANT_KEY, "")
 
 
+_AUTH_PATHS = ("/ws", "/playground/info")
+
+
+def bearer_token(request: web.Request) -> str | None:
+    """The API key from `Authorization: Bearer KEY`, or, on a WebSocket handshake (browsers
+    cannot set its headers), from the offered subprotocol `specserve.bearer.KEY`."""
+    from specserve.playground import WS_KEY_PROTOCOL
+
+    auth = request.headers.get("Authorization", "")
+    if auth.startswith("Bearer "):
+        return auth[len("Bearer "):]
+    for proto in request.headers.get("Sec-WebSocket-Protocol", "").split(","):
+        if proto.strip().startswith(WS_KEY_PROTOCOL):
+            return proto.strip()[len(WS_KEY_PROTOCOL):]
+    return None
+
+
 def _json(obj: object, status: int = 200) -> web.Response:
     return web.Response(body=_enc.encode(obj), status=status, content_type="application/json")
 
@@ -220,9 +238,9 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
     t0 = time.perf_counter()
     try:
         keys = server.config.tenants
-        if keys and (request.path.startswith("/v1/") or request.path == "/ws"):
-            auth = request.headers.get("Authorization", "")
-            tenant = keys.get(auth[len("Bearer "):]) if auth.startswith("Bearer ") else None
+        if keys and (request.path.startswith("/v1/") or request.path in _AUTH_PATHS):
+            token = bearer_token(request)
+            tenant = keys.get(token) if token is not None else None
             if tenant is None:
                 raise ApiError(401, "missing or wrong API key: send `Authorization: Bearer KEY`",
                                "authentication_error", code="invalid_api_key")
@@ -425,6 +443,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig, model: str | None = No
     from specserve.ws import websocket_handler  # ws.py builds on this module's helpers
 
     app.router.add_get("/ws", websocket_handler)
+    from specserve.playground import add_routes as add_playground
+
+    add_playground(app)  # GET / and /playground: the A/B page
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
     app.on_cleanup.append(_on_cleanup)

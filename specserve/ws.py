@@ -15,6 +15,7 @@ from aiohttp import web
 from specserve import protocol as P
 from specserve.async_engine import EngineUnavailableError
 from specserve.errors import InvalidRequestError
+from specserve.playground import WS_KEY_PROTOCOL
 from specserve.server import APP_KEY, error_of, log, tenant_of
 
 _enc = msgspec.json.Encoder()
@@ -25,7 +26,8 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
 
     client -> {"type": "request", "id": ID, "kind": "completion" | "chat", ...body fields}
               {"type": "cancel", "id": ID}
-    server -> {"type": "token", "id", "text", "token_ids"}   (as tokens are accepted)
+    server -> {"type": "token", "id", "text", "token_ids", "from_draft", "text_spans",
+               "num_drafted", "num_accepted", "num_verify_steps"}   (as tokens are accepted)
               {"type": "done", "id", "finish_reason", "usage", "timings", "text"}
               {"type": "error", "id", "error": {"message", "type", "param", "code"}}
 
@@ -36,7 +38,10 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     server = request.app[APP_KEY]
     if not server.engine.ready:
         raise EngineUnavailableError(f"the engine is not ready ({server.engine.state})")
-    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=server.config.max_body_bytes)
+    # Echo the page's key subprotocol (see playground.py), as browsers require.
+    offered = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=server.config.max_body_bytes,
+                               protocols=[p for p in offered if p.startswith(WS_KEY_PROTOCOL)])
     await ws.prepare(request)
     server.websockets.add(ws)
     conn = uuid.uuid4().hex[:12]
@@ -64,7 +69,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
             async for _, out in server.outputs(streams):
                 if out.text or out.token_ids:
                     parts.append(out.text)
-                    await send(P.WsToken("token", cid, out.text, out.token_ids))
+                    await send(P.ws_token(cid, out))
                 if out.finished:
                     await send(P.WsDone("done", cid, out.finish_reason, P.usage_of([out]),
                                         P.timings_of([out]), "".join(parts)))
