@@ -200,23 +200,26 @@ class SpeculationPolicy:
 
     # ---- decision -----------------------------------------------------------------------
 
-    def choose(self, candidates: list[Candidate], num_other_tokens: int) -> dict[int, int]:
-        """k per candidate key. ``num_other_tokens``: prefill tokens also in the step."""
+    def choose(self, candidates: list[Candidate], num_other_tokens: int,
+               num_other_decodes: int = 0) -> dict[int, int]:
+        """k per candidate key. ``num_other_tokens``: prefill tokens also in the step;
+        ``num_other_decodes``: sequences decoding one token in it without drafts."""
         if not self.adaptive:
             return {c.key: c.k_max for c in candidates}
-        ks = self._model_choice(candidates, num_other_tokens)
+        ks = self._model_choice(candidates, num_other_tokens, num_other_decodes)
         for c in candidates:
             if ks[c.key] == 0:
                 for stats in self.seq_stats.get(c.key, {}).values():
                     stats.relax()
         return ks
 
-    def _model_choice(self, candidates: list[Candidate], num_other_tokens: int) -> dict[int, int]:
-        n_base = num_other_tokens + len(candidates)
+    def _model_choice(self, candidates: list[Candidate], num_other_tokens: int,
+                      num_other_decodes: int = 0) -> dict[int, int]:
+        n_base = num_other_tokens + num_other_decodes + len(candidates)
         plain = self.target_cost(n_base)
 
         def goodput(ks: dict[int, int]) -> float:
-            gain = sum(expected_tokens(c.rate, ks[c.key]) for c in candidates)
+            gain = num_other_decodes + sum(expected_tokens(c.rate, ks[c.key]) for c in candidates)
             n_tok = n_base + sum(ks.values())
             drafting = [c for c in candidates if c.uses_draft_model and ks[c.key] > 0]
             k_draft = max((ks[c.key] for c in drafting), default=0)

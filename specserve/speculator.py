@@ -98,6 +98,7 @@ class Speculator:
         unless it is decoding and speculating); the scheduler cuts k further to the budget."""
         candidates = []
         prefill_tokens = 0
+        decoding = 0
         self._early.clear()
         t0 = time.perf_counter()
         for seq in running:
@@ -106,6 +107,7 @@ class Speculator:
             if remaining != 1:
                 prefill_tokens += remaining
                 continue
+            decoding += 1
             if seq.spec_method == OFF or seq.spec_k_max == 0:
                 continue
             # The bonus token is free: never draft past max_tokens or the context window.
@@ -126,7 +128,9 @@ class Speculator:
         self._early_seconds = time.perf_counter() - t0
         if not candidates:
             return
-        ks = self.policy.choose(candidates, prefill_tokens)
+        # Sequences that draft nothing still decode one token in the same step: the policy
+        # weighs drafts against the whole step, not the drafting sequences alone.
+        ks = self.policy.choose(candidates, prefill_tokens, decoding - len(candidates))
         for seq in running:
             seq.spec_k = ks.get(seq.seq_id, 0)
 

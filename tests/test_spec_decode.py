@@ -377,3 +377,15 @@ def test_policy_retries_a_sequence_it_stopped_speculating_for():
 
     ks = [k_now() for _ in range(40)]
     assert ks[0] == 0 and ks[-1] > 0
+
+
+def test_policy_weighs_drafts_against_the_whole_step():
+    """Sequences that draft nothing this step still decode in it: a draft that pays for its
+    own sequence alone must not slow seven plain decoders down (per-token cost 3 ms, 10 ms
+    fixed: 1.6 expected tokens for one extra row pay alone, not in an 8-row step)."""
+    policy = SpeculationPolicy()
+    for n in range(1, 40):
+        for _ in range(3):
+            policy.record_target(n, 0.010 + 0.003 * n)
+    assert policy.choose([Candidate(0, 4, 0.6, False)], 0)[0] > 0
+    assert policy.choose([Candidate(0, 4, 0.6, False)], 0, num_other_decodes=7)[0] == 0
