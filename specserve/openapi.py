@@ -19,6 +19,7 @@ _ERROR_STATUSES = {
     "400": "invalid request (the error's param names the field)",
     "401": "missing or wrong API key",
     "404": "unknown model",
+    "408": "the request passed its deadline (its timeout, or --request-timeout) and was aborted",
     "413": "request body too large",
     "429": "the server is at capacity; retry later",
     "500": "internal error",
@@ -49,7 +50,7 @@ def _generate(request: str, response: str, chunk: str, summary: str) -> dict[str
                     "content": {"application/json": {"schema": _ref(response)},
                                 "text/event-stream": {"schema": {"type": "string"}}},
                 },
-                **_errors("400", "401", "404", "413", "429", "500", "503"),
+                **_errors("400", "401", "404", "408", "413", "429", "500", "503"),
             },
         }
     }
