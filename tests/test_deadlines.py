@@ -194,3 +194,12 @@ def test_server_request_timeout_and_the_field_overrides_it(model_dir, offline): 
         assert _timeouts(srv) == 1
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_cli_request_timeout_must_be_positive(value, capsys):
+    from specserve import cli
+
+    assert cli.main(["serve", "--request-timeout", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: request-timeout must be in (0, 1e6]"), err
