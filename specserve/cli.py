@@ -136,6 +136,10 @@ def add_serve_parser(sub) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                        help="seconds SIGTERM waits for aborted streams to flush "
                             f"[default: {d.shutdown_timeout}]")
+    group.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                       help="seconds from arrival after which a request is aborted "
+                            "(finish_reason abort, a 408 or an error event); a request's own "
+                            "`timeout` field wins [default: None, no deadline]")
     group.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=d.warmup,
                        help="run real short requests before /health reports ready "
                             f"[default: {d.warmup}]")
@@ -190,6 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key, max_queue_len=args.max_queue_len,
         max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout, warmup=args.warmup,
+        request_timeout=args.request_timeout,
     )
     engine_config = engine_config_from_args(args)
     try:

@@ -90,10 +90,16 @@ class ServerMetrics:
         self.e2e = Histogram("specserve_e2e_request_latency_seconds",
                              "Arrival to last token, per sequence", buckets=_E2E_BUCKETS,
                              registry=reg)
+        self.timeouts = Counter("specserve_request_timeouts",
+                                "Requests aborted at their deadline (their timeout field or "
+                                "--request-timeout)", registry=reg)
         reg.register(_EngineCollector(stats, in_flight))
 
     def observe_request(self, endpoint: str, status: int | str) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def observe_timeout(self) -> None:
+        self.timeouts.inc()
 
     def observe_gap(self, seconds: float, num_tokens: int) -> None:
         """One streamed output that carried ``num_tokens`` new tokens ``seconds`` after the

@@ -19,6 +19,7 @@ _ERROR_STATUSES = {
     "400": "invalid request (the error's param names the field)",
     "401": "missing or wrong API key",
     "404": "unknown model",
+    "408": "the request passed its deadline (its timeout, or --request-timeout) and was aborted",
     "413": "request body too large",
     "429": "the server is at capacity; retry later",
     "500": "internal error",
@@ -35,6 +36,15 @@ def _errors(*codes: str) -> dict[str, Any]:
     return {c: {"description": _ERROR_STATUSES[c], "content": body} for c in codes}
 
 
+def _sse_event(chunk: str) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1 has an event stream's ``schema`` describe each event;
+    schemathesis checks every event against it)."""
+    return {"type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string",
+                 "description": f"a JSON {chunk} or ErrorResponse; the last event is [DONE]"},
+        "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def _generate(request: str, response: str, chunk: str, summary: str) -> dict[str, Any]:
     return {
         "post": {
@@ -47,9 +57,9 @@ def _generate(request: str, response: str, chunk: str, summary: str) -> dict[str
                                    f"each carrying a {chunk} (or an ErrorResponse), ending with "
                                    "`data: [DONE]`",
                     "content": {"application/json": {"schema": _ref(response)},
-                                "text/event-stream": {"schema": {"type": "string"}}},
+                                "text/event-stream": {"schema": _sse_event(chunk)}},
                 },
-                **_errors("400", "401", "404", "413", "429", "500", "503"),
+                **_errors("400", "401", "404", "408", "413", "429", "500", "503"),
             },
         }
     }

@@ -35,6 +35,7 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+TimeoutSeconds = Annotated[float, Meta(gt=0.0, le=1e6)]
 
 # ---- requests ---------------------------------------------------------------------------
 
@@ -66,6 +67,7 @@ class _Common(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
     user: str | None = None
+    timeout: TimeoutSeconds | None = None  # seconds from arrival; None: --request-timeout
 
 
 class CompletionRequest(_Common, kw_only=True):

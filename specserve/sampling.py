@@ -61,8 +61,12 @@ def process_logits(
     if need_p:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+        # Keep the smallest prefix whose mass reaches top_p. The first token always stays,
+        # also when top_p underflows to 0 in this dtype (a top_p of 5e-324 once emptied the
+        # row and made the step fail with NaN probabilities).
+        drop = mass_before >= top_p[:, None]
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 

@@ -6,12 +6,15 @@ from dataclasses import dataclass, field
 
 from specserve.errors import InvalidRequestError
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample as greedy (vLLM uses the same bound)
+
 
 @dataclass
 class SamplingParams:
     """Sampling and stopping controls for one request.
 
-    ``temperature == 0`` means greedy (argmax). ``top_k == 0`` and ``top_p == 1`` disable those
+    ``temperature`` below ``GREEDY_BELOW`` (0 included) means greedy (argmax): dividing logits
+    by a smaller one overflows float32. ``top_k == 0`` and ``top_p == 1`` disable those
     filters. ``seed`` makes a sampled request reproducible regardless of what else is batched
     with it. ``stop`` strings are matched on the detokenized text and are not included in it;
     ``stop_token_ids`` and EOS end generation (EOS text is not included either).
@@ -36,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

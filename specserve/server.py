@@ -35,6 +35,7 @@ from specserve.async_engine import (
     QueueFullError,
     RequestStream,
 )
+from specserve.deadlines import Deadline, DeadlineTimer, RequestTimeoutError, before_deadline
 from specserve.errors import InvalidRequestError
 from specserve.metrics import CONTENT_TYPE, ServerMetrics
 from specserve.openapi import openapi_document
@@ -73,6 +74,8 @@ def error_of(exc: BaseException) -> tuple[int, P.ErrorInfo]:
         return 429, P.ErrorInfo(str(exc), "rate_limit_error", code="queue_full")
     if isinstance(exc, EngineUnavailableError):
         return 503, P.ErrorInfo(str(exc), "service_unavailable", code="not_ready")
+    if isinstance(exc, RequestTimeoutError):
+        return 408, P.ErrorInfo(str(exc), "timeout_error", "timeout", "request_timeout")
     if isinstance(exc, EngineStepError):
         return 500, P.ErrorInfo(str(exc), "internal_error", code="engine_step_failed")
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
@@ -97,6 +100,7 @@ class Job:
     include_usage: bool
     logprobs: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    deadline: Deadline | None = None  # its timeout, or --request-timeout
 
 
 class Server:
@@ -120,15 +124,21 @@ class Server:
             self._token_text[token_id] = text
         return text
 
-    async def parse(self, kind: str, body: bytes, stream: bool | None = None) -> Job:
+    async def parse(self, kind: str, body: bytes, stream: bool | None = None,
+                    arrival: float | None = None) -> Job:
         """Decodes and validates a completions / chat body (the chat template renders on the
-        engine's text worker, not on the loop); raises 400/404-class errors."""
+        engine's text worker, not on the loop); raises 400/404-class errors. ``arrival``
+        (loop time, default now) starts the request's deadline."""
+        arrival = asyncio.get_running_loop().time() if arrival is None else arrival
+        deadline: Deadline | None = None
         if kind == "chat":
             chat = msgspec.json.decode(body, type=P.ChatCompletionRequest)
+            deadline = Deadline.of(chat.timeout, self.config.request_timeout, arrival)
             messages = P.chat_messages(chat)
             try:
-                prompt: str | list[int] = await self.engine.render_chat(messages)
-            except InvalidRequestError:
+                prompt: str | list[int] = await before_deadline(
+                    deadline, self.engine.render_chat(messages), self.metrics.observe_timeout)
+            except (InvalidRequestError, RequestTimeoutError):
                 raise
             except Exception as exc:  # the model's template rejected the conversation
                 raise InvalidRequestError(f"chat template failed: {exc}", "messages") from exc
@@ -138,6 +148,7 @@ class Server:
             logprobs = chat.logprobs
         elif kind == "completion":
             comp = msgspec.json.decode(body, type=P.CompletionRequest)
+            deadline = Deadline.of(comp.timeout, self.config.request_timeout, arrival)
             params, clamp = P.completion_params(comp), False
             seqs = [(prompt, p) for prompt in P.completion_prompts(comp) for p in params]
             req, logprobs = comp, comp.logprobs is not None
@@ -150,7 +161,8 @@ class Server:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Job(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name, seqs,
                    P.speculative_params(req), clamp, req.stream if stream is None else stream,
-                   bool(req.stream_options and req.stream_options.include_usage), logprobs)
+                   bool(req.stream_options and req.stream_options.include_usage), logprobs,
+                   deadline=deadline)
 
     async def admit(self, job: Job, tenant: str = "") -> list[RequestStream]:
         """``tenant``: the caller's API-key tenant (``tenant_of``); speculation drafts only
@@ -158,15 +170,22 @@ class Server:
         spec = replace(job.spec or SpeculativeParams(), tenant=tenant)
         reqs = [(f"{job.id}-{i}", prompt, params, spec)
                 for i, (prompt, params) in enumerate(job.seqs)]
-        return await self.engine.add_requests(reqs, clamp_max_tokens=job.clamp)
+        return await before_deadline(
+            job.deadline, self.engine.add_requests(reqs, clamp_max_tokens=job.clamp),
+            self.metrics.observe_timeout)
 
     async def outputs(
-        self, streams: list[RequestStream]
+        self, streams: list[RequestStream], deadline: Deadline | None = None
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Merges the streams as (choice index, output), feeding the latency metrics; closing
-        it (or cancelling its consumer) aborts every unfinished stream."""
+        it (or cancelling its consumer) aborts every unfinished stream. At the ``deadline``
+        the unfinished streams are aborted; after their final ("abort") outputs it raises
+        ``RequestTimeoutError``."""
         last = [time.perf_counter()] * len(streams)
         pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+        timer = DeadlineTimer(deadline, lambda: [self.engine.abort(s.request_id)
+                                                 for s in streams])
+        cut = False
         try:
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -181,10 +200,16 @@ class Server:
                     last[i] = now
                     if out.finished:
                         self.metrics.observe_finished(out)
+                        cut |= deadline is not None and deadline.cut(out)
                     else:
                         pending[asyncio.ensure_future(streams[i].__anext__())] = i
                     yield i, out
+            if cut:
+                assert deadline is not None
+                self.metrics.observe_timeout()
+                raise deadline.error()
         finally:
+            timer.cancel()
             for fut in pending:
                 fut.cancel()
             for s in streams:
@@ -279,14 +304,15 @@ def _finish_log(request: web.Request, job: Job, outs: list[RequestOutput]) -> No
 
 async def _api(request: web.Request, kind: str) -> web.StreamResponse:
     server = request.app[APP_KEY]
+    arrival = asyncio.get_running_loop().time()
     if not server.engine.ready:  # cheap early answer; add_requests checks again
         raise EngineUnavailableError(f"the engine is not ready ({server.engine.state})")
-    job = await server.parse(kind, await _body(request))
+    job = await server.parse(kind, await _body(request), arrival=arrival)
     streams = await server.admit(job, tenant_of(request))
     finals: list[RequestOutput | None] = [None] * len(streams)
     if not job.stream:  # the deltas of each choice merged into its whole answer
         merged = [OutputMerger() for _ in streams]
-        async for i, out in server.outputs(streams):
+        async for i, out in server.outputs(streams, job.deadline):
             merged[i].add(out)
         outs = [o for o in (m.take() for m in merged) if o is not None]
         _finish_log(request, job, outs)
@@ -298,7 +324,7 @@ async def _api(request: web.Request, kind: str) -> web.StreamResponse:
         if kind == "chat":
             for i in range(len(streams)):
                 await resp.write(_sse(_chat_chunk(job, i, P.ChatDelta("assistant", ""))))
-        async for i, out in server.outputs(streams):
+        async for i, out in server.outputs(streams, job.deadline):
             lps = (out.logprobs or []) if job.logprobs else []
             if not (out.text or out.finished or lps):
                 continue
@@ -327,7 +353,7 @@ async def _api(request: web.Request, kind: str) -> web.StreamResponse:
                                                   job.model, [], usage, timings))
             await resp.write(_sse(final))
         _finish_log(request, job, outs)
-    except (EngineUnavailableError, EngineStepError) as exc:  # the engine failed mid-stream
+    except (EngineUnavailableError, EngineStepError, RequestTimeoutError) as exc:  # mid-stream
         await resp.write(_sse(P.ErrorResponse(error_of(exc)[1])))
     await resp.write(_DONE)
     await resp.write_eof()
@@ -397,6 +423,14 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """A client's ``X-Request-Id`` comes back on its response, so it can match every answer
+    to the request it sent (no answer lost, none duplicated or crossed)."""
+    rid = request.headers.get("X-Request-Id")
+    if rid is not None and len(rid) <= 200:
+        response.headers["X-Request-Id"] = rid
+
+
 async def _on_startup(app: web.Application) -> None:
     app[APP_KEY].engine.start()
 
@@ -446,6 +480,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, model: str | None = No
     from specserve.playground import add_routes as add_playground
 
     add_playground(app)  # GET / and /playground: the A/B page
+    app.on_response_prepare.append(_echo_request_id)
     app.on_startup.append(_on_startup)
     app.on_shutdown.append(_on_shutdown)
     app.on_cleanup.append(_on_cleanup)

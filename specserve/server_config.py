@@ -31,6 +31,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     served_model_name: str | None = None  # None: the --model value, or the built-in name
     shutdown_timeout: float = 10.0  # seconds SIGTERM waits for aborted streams to flush
     warmup: bool = True  # run real short requests before /health says ready
+    request_timeout: float | None = None  # seconds; a request's own `timeout` field wins
 
     def __post_init__(self) -> None:
         self.validate()
@@ -44,6 +45,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(f"max-body-bytes must be >= 1024 (got {self.max_body_bytes})")
         if self.api_key is not None and (not self.api_key or not all(self.keys)):
             raise ConfigError("api-key must not be empty (omit it to disable authentication)")
+        if self.request_timeout is not None and not 0 < self.request_timeout <= 1e6:
+            raise ConfigError("request-timeout must be in (0, 1e6] seconds (got "
+                              f"{self.request_timeout}); omit it for no deadline")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"shutdown-timeout must be >= 0 (got {self.shutdown_timeout})")
 

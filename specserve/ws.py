@@ -54,10 +54,10 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
             async with lock:
                 await ws.send_str(_enc.encode(obj).decode())
 
-    async def run(cid: str, kind: str, data: bytes) -> None:
+    async def run(cid: str, kind: str, data: bytes, arrival: float) -> None:
         status: int | str = 200
         try:
-            job = await server.parse(kind, data, stream=True)
+            job = await server.parse(kind, data, stream=True, arrival=arrival)
             if len(job.seqs) != 1:
                 raise InvalidRequestError("n must be 1 (and prompt a single one) over the "
                                           "WebSocket; open one request per choice", param="n")
@@ -66,11 +66,12 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
             if cid in cancelled:
                 server.engine.abort(streams[0].request_id)
             parts: list[str] = []  # the "done" event repeats the whole text
-            async for _, out in server.outputs(streams):
+            async for _, out in server.outputs(streams, job.deadline):
                 if out.text or out.token_ids:
                     parts.append(out.text)
                     await send(P.ws_token(cid, out))
-                if out.finished:
+                if out.finished and not (job.deadline and job.deadline.cut(out)):
+                    # (cut by its deadline: outputs() raises next, and "error" is the end)
                     await send(P.WsDone("done", cid, out.finish_reason, P.usage_of([out]),
                                         P.timings_of([out]), "".join(parts)))
                     log.info("request", endpoint="/ws", request_id=job.id, status=200,
@@ -115,7 +116,8 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
                     f"id {cid!r} is already running on this connection",
                     "invalid_request_error", "id")))
             else:
-                tasks[cid] = asyncio.create_task(run(cid, env.kind, data))
+                arrival = asyncio.get_running_loop().time()  # starts its deadline
+                tasks[cid] = asyncio.create_task(run(cid, env.kind, data, arrival))
     finally:
         pending = list(tasks.values())
         for task in pending:

@@ -145,3 +145,12 @@ def test_schemathesis_quick_run(model_dir, tmp_path):  # noqa: F811
         assert h["kv_blocks_free"] == h["kv_blocks_total"], h
     finally:
         srv.stop()
+
+
+def test_vanishing_top_p_and_temperature_are_served(server):
+    """schemathesis's first finding (benchmarks/fuzz_api.py): top_p = 5e-324 failed the engine
+    step with NaN probabilities (a 500, and every request in that step with it)."""
+    for extra in ({"top_p": 5e-324}, {"temperature": 5e-324}):
+        status, resp = http("POST", server.url + "/v1/chat/completions",
+                            {"messages": [{"role": "developer"}], "max_tokens": 3, **extra})
+        assert status == 200, resp

@@ -134,3 +134,20 @@ def test_invalid_params_name_the_field(kwargs, param):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**kwargs)
     assert info.value.param == param
+
+
+def test_vanishing_top_p_and_temperature_keep_the_argmax():
+    """Found by schemathesis: top_p = 5e-324 underflows to 0 in float32 and once emptied the row
+    (NaN probabilities, a failed engine step); a temperature that small overflowed the logits.
+    Both now leave exactly the argmax, as their limit does."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.9], [3.0, 0.0, 0.1, -2.0]])
+    out = process_logits(logits, torch.ones(2), torch.zeros(2, dtype=torch.int64),
+                         torch.tensor([5e-324, 5e-324]))
+    assert torch.isfinite(out).sum(dim=1).tolist() == [1, 1]
+    assert out.argmax(dim=1).tolist() == logits.argmax(dim=1).tolist()
+    assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=1e-4).greedy
+    rows = [SampleRequest(SamplingParams(temperature=1e-300), 0, None, []),
+            SampleRequest(SamplingParams(temperature=1.0, top_p=5e-324), 0,
+                          torch.Generator().manual_seed(3), [])]
+    tokens, _ = sample(logits, rows)
+    assert tokens == logits.argmax(dim=1).tolist()

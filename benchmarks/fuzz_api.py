@@ -1,0 +1,159 @@
+"""A longer schemathesis run against a real `specserve serve` process (the test suite runs a
+bounded quick one: tests/test_api_schema.py).
+
+Starts the server (by default on a tiny random Llama with the built-in model's real tokenizer,
+built into the output folder, so that thousands of generations stay cheap: the API is what is
+fuzzed, not the model), runs the schemathesis CLI against GET /openapi.json with --max-examples
+per operation, then checks that the server is alive, has nothing in flight and every KV block
+back in the pool. Reports operations tested, test cases generated, failures found (grouped by
+schemathesis) and errors.
+
+Checks: not_a_server_error (no 5xx), status_code_conformance (every status documented),
+content_type_conformance, response_schema_conformance (every body, 4xx included, in its
+documented schema: OpenAI's error shape for errors).
+
+    python benchmarks/fuzz_api.py [--max-examples 300] [--model PATH] [--seed 1]
+                                  [--server-args "..."] [--write-results]
+
+Exit status 0 when no failure, no error, and the server is healthy and drained afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.report import md_table, out_dir, run_info, write_json, write_results_section  # noqa: E402
+
+HEADING = "## API fuzzing: schemathesis, long run (benchmarks/fuzz_api.py)"
+CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,"
+          "response_schema_conformance")
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def start_server(args: argparse.Namespace, model: str, out: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tiny = [] if args.model else ["--dtype", "float32", "--block-size", "4", "--num-kv-blocks",
+                                  "1024", "--max-model-len", "256"]
+    cmd = [sys.executable, "-m", "specserve", "serve", "--port", str(port), "--model", model,
+           "--served-model-name", "fuzzed", *tiny, *shlex.split(args.server_args)]
+    log = open(out / "server.log", "wb")  # noqa: SIM115  (the server writes to it until stopped)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}; see {out}/server.log")
+        try:
+            if get(url + "/health")[0] == 200:
+                return proc, url
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the server was not ready after {args.startup_timeout} s")
+
+
+def fuzz(args: argparse.Namespace, url: str, out: Path) -> tuple[dict, float]:
+    report_path = out / "schemathesis.json"
+    cmd = [str(Path(sys.executable).parent / "schemathesis"), "run", url + "/openapi.json",
+           "--max-examples", str(args.max_examples), "--seed", str(args.seed), "--workers", "1",
+           "--checks", CHECKS, "--request-timeout", "120", "--no-color",
+           "--generation-database", "none", "--suppress-health-check", "all",
+           "--report", "json", "--report-json-path", str(report_path)]
+    t0 = time.monotonic()
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=out)
+    (out / "schemathesis.log").write_text(run.stdout + run.stderr)
+    if not report_path.exists():
+        raise SystemExit(f"schemathesis wrote no report (exit {run.returncode}); see "
+                         f"{out}/schemathesis.log")
+    return json.loads(report_path.read_text()), time.monotonic() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-examples", type=int, default=300,
+                    help="schemathesis examples per operation and phase [default: 300]")
+    ap.add_argument("--model", default=None,
+                    help="--model for the server [default: a tiny random Llama, built here]")
+    ap.add_argument("--server-args", default="", help="extra `specserve serve` flags")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=None, help="folder for the report and the logs")
+    ap.add_argument("--write-results", action="store_true",
+                    help="replace this section of benchmarks/RESULTS.md")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv)
+    out = out_dir(args.out, "fuzz_api")
+    info = run_info(argv, "python benchmarks/fuzz_api.py")
+    model = args.model
+    if model is None:
+        from tests.test_server import build_tiny  # the test suite's tiny model, same recipe
+
+        model = str(out / "tiny_model")
+        if not (Path(model) / "config.json").exists():
+            build_tiny(model)
+    proc, url = start_server(args, model, out)
+    try:
+        report, seconds = fuzz(args, url, out)
+        time.sleep(1.0)  # the last case's sequences end at the engine's next step
+        status, health = get(url + "/health")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    ops, cases = report["operations"], report["test_cases"]
+    drained = (status == 200 and health["num_in_flight"] == 0
+               and health["kv_blocks_free"] == health["kv_blocks_total"])
+    ok = not report["failures"] and not report["errors"] and drained
+    write_json(out / "summary.json", {"info": info, "seconds": seconds, "report": report,
+                                      "health_after": health, "server_exit": proc.returncode})
+    lines = md_table(
+        ["operations tested", "test cases generated", "cases with failures", "unique failures",
+         "errored", "minutes", "afterwards"],
+        [[f"{ops['tested']} / {ops['total']}", str(cases["generated"]),
+          str(cases["with_failures"]), str(cases["unique_failures"]), str(cases["errored"]),
+          f"{seconds / 60:.1f}",
+          f"/health {status}, {health.get('num_in_flight')} in flight, "
+          f"{health.get('kv_blocks_free')}/{health.get('kv_blocks_total')} KV blocks free"]])
+    for group in report["failures"]:
+        lines.append(f"- failure `{group['type']}` x{group['count']}: {group['title']} "
+                     f"({', '.join(group['operations'])})")
+    for group in report["errors"]:
+        lines.append(f"- error x{group['count']}: {group['title']}")
+    print("\n".join(lines))
+    if args.write_results:
+        served = "a tiny random Llama (the test suite's recipe)" if args.model is None else model
+        intro = (f"schemathesis {CHECKS.replace(',', ', ')} against every operation of "
+                 f"/openapi.json, --max-examples {args.max_examples}, seed {args.seed}; server "
+                 f"on {served}. Verdict: {'pass' if ok else 'FAIL'}.")
+        write_results_section(HEADING, info, intro, lines)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
