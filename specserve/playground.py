@@ -13,6 +13,8 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
+from specserve.api import APP_KEY
+
 STATIC_DIR = Path(__file__).parent / "static" / "playground"
 # Browsers cannot set headers on a WebSocket, so the page offers its API key as the subprotocol
 # "specserve.bearer.KEY"; the server's auth accepts it there (server.bearer_token).
@@ -33,8 +35,6 @@ async def _page(request: web.Request) -> web.FileResponse:
 
 
 async def _info(request: web.Request) -> web.Response:
-    from specserve.server import APP_KEY  # server.py imports this module at app creation
-
     server = request.app[APP_KEY]
     engine = server.engine.engine
     spec = engine.speculator

@@ -1,7 +1,7 @@
 """GET /ws: streaming over a WebSocket, several cancellable requests per connection.
 
-Kept apart from server.py, which holds the REST routes and the request plumbing both share
-(``Server.parse`` / ``admit`` / ``outputs``, ``error_of``).
+It builds on api.py, the request plumbing the REST routes (server.py) share
+(``Server.parse`` / ``admit`` / ``outputs``, ``error_of``), and does not import server.py.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import msgspec
 from aiohttp import web
 
 from specserve import protocol as P
+from specserve.api import APP_KEY, error_of, log, tenant_of
 from specserve.async_engine import EngineUnavailableError
 from specserve.errors import InvalidRequestError
 from specserve.playground import WS_KEY_PROTOCOL
-from specserve.server import APP_KEY, error_of, log, tenant_of
 
 _enc = msgspec.json.Encoder()
 
