@@ -47,10 +47,6 @@ class Drafts:
     draft_seconds: float = 0.0
 
 
-def _probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-    return sampling_probs(logits, params)
-
-
 class Speculator:
     def __init__(
         self, config: EngineConfig, draft_runner, generator: torch.Generator,
@@ -65,7 +61,7 @@ class Speculator:
                                  cache_tokens=config.suffix_cache_tokens,
                                  scope=config.suffix_cache_scope),
             draft_runner=draft_runner, block_size=config.block_size, seed=config.seed,
-            probs_fn=_probs,
+            probs_fn=sampling_probs,
         )
         self.proposers: dict[str, Proposer] = registry.build_available(ctx)
         self.policy = SpeculationPolicy(
