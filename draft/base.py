@@ -74,8 +74,8 @@ class Proposal:
 
 @dataclass
 class PrefillChunk:
-    """Prompt tokens the target computes this step: KV-holding proposers catch up on
-    ``token_ids[kv_computed:end]``."""
+    """Tokens a KV-holding proposer must catch up on this step: ``token_ids[kv_computed:end]``
+    (a prompt chunk the target computes now, or a bounded chunk of a decoding sequence's lag)."""
 
     seq_id: int
     token_ids: Sequence[int]

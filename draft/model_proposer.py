@@ -74,12 +74,12 @@ class DraftModelProposer:
     # ---- keeping the draft's KV in step with the target -----------------------------------
 
     def prefill(self, chunks: list[PrefillChunk]) -> list[int]:
-        """Runs the draft over prefill chunks the target computes this step: each catches up on
-        tokens [kv_computed, end). Returns the tokens the draft's KV holds per chunk afterwards.
-        Prefix-cache hits are NOT trusted for the draft: a cached block may have been filled by
-        a request that did not run the draft (speculation off or n-gram), so its draft KV could
-        be stale. Rewriting it is safe: the draft computes the same values for the same tokens
-        at the same positions, and the draft prefill costs a fraction of the target's."""
+        """Runs the draft over this step's chunks: each catches up on tokens [kv_computed, end).
+        Returns the tokens the draft's KV holds per chunk afterwards. ``kv_computed`` counts
+        only prefix-cache blocks whose draft KV was written (the block manager tracks it): a
+        block filled by a request that did not run the draft is recomputed. Rewriting a shared
+        block is safe: the draft computes the same values for the same tokens at the same
+        positions."""
         work = [c for c in chunks if c.kv_computed < c.end]
         if work:
             ids, q_lens, ctx_lens = [], [], []

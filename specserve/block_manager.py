@@ -1,7 +1,12 @@
 """Paged KV block manager: one pool of block ids for the target and the draft caches.
 
 Both models' caches are indexed by the same block ids, so one ``seq.block_table`` serves both and
-one prefix-cache hit reuses both. Token ``p`` of a sequence lives in slot
+one prefix-cache hit reuses both, with one caveat: a block filled by a request that did not run
+the draft (speculation off, n-gram) holds target KV only. Each block therefore records whether
+its draft KV is written too (``Block.draft_kv``, set once the sequence's
+``draft_num_computed`` covers it, cleared when the block is handed out again); a hit restores
+``seq.draft_num_computed`` to the leading run of such blocks, so the draft recomputes only the
+rest. Token ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
 
 Lifecycle of a sequence, as the scheduler and engine drive it::
@@ -62,6 +67,7 @@ class Block:
     token_ids: tuple[int, ...] | None = None
     cache_id: int | None = None
     parent_cache_id: int | None = None
+    draft_kv: bool = False  # the draft model's KV for this block's tokens is written too
 
     def clear_cache_entry(self) -> None:
         self.hash = self.token_ids = self.cache_id = self.parent_cache_id = None
@@ -75,8 +81,9 @@ _Committed = tuple[int, int | None]
 class BlockManager:
     """Ref-counted block pool with an LRU free queue and a chained-hash prefix cache.
 
-    Only ``seq.token_ids``, ``seq.block_table``, ``seq.num_computed_tokens`` and
-    ``seq.num_cached_tokens`` are used; ``seq.seq_id`` must be unique among live sequences.
+    Only ``seq.token_ids``, ``seq.block_table``, ``seq.num_computed_tokens``,
+    ``seq.num_cached_tokens`` and ``seq.draft_num_computed`` are used; ``seq.seq_id`` must be
+    unique among live sequences.
     """
 
     def __init__(
@@ -100,10 +107,13 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         # seq_id -> committed blocks; present iff the sequence holds at least one block.
         self._seq_committed: dict[int, list[_Committed]] = {}
+        # seq_id -> leading blocks of its table already marked ``draft_kv`` (O(new blocks) a step)
+        self._seq_draft_marked: dict[int, int] = {}
         self._next_cache_id = 0
         # Prometheus-style counters, in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.draft_prefix_hits = 0  # hit tokens whose draft KV was reused as well
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -195,9 +205,16 @@ class BlockManager:
             self._seq_committed[seq.seq_id] = [entry for _, entry in hits]
         num_hit = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens = num_hit
+        # The draft's KV is reusable up to the first hit block that a non-draft request filled.
+        num_draft = 0
+        while num_draft < len(hits) and self.blocks[hits[num_draft][0]].draft_kv:
+            num_draft += 1
+        seq.draft_num_computed = num_draft * self.block_size
+        self._seq_draft_marked[seq.seq_id] = num_draft
         if self.enable_prefix_caching:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_hit
+            self.draft_prefix_hits += seq.draft_num_computed
         return num_hit
 
     def commit_computed(self, seq: Sequence) -> None:
@@ -211,6 +228,13 @@ class BlockManager:
         if not self.enable_prefix_caching or committed is None:
             return
         bs = self.block_size
+        # Full blocks the draft's KV now covers (it only ever writes past draft_num_computed,
+        # so a marked block stays valid until the block is handed out again).
+        marked = self._seq_draft_marked.get(seq.seq_id, 0)
+        draft_full = min(seq.draft_num_computed // bs, len(seq.block_table))
+        for i in range(marked, draft_full):
+            self.blocks[seq.block_table[i]].draft_kv = True
+        self._seq_draft_marked[seq.seq_id] = max(marked, draft_full)
         num_full = seq.num_computed_tokens // bs
         assert num_full <= len(seq.block_table), "num_computed_tokens exceeds the block table"
         for i in range(len(committed), num_full):
@@ -257,6 +281,7 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
+        block.draft_kv = False  # whoever takes it writes new KV
         if block.hash is not None:  # evict its prefix-cache entry now that its KV is overwritten
             assert self._hash_to_block[block.hash] == block_id
             del self._hash_to_block[block.hash]
@@ -276,15 +301,17 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop every reference the sequence holds and clear its table. Safe to call twice.
 
-        Its KV is gone, so ``num_computed_tokens`` and ``num_cached_tokens`` drop to 0 too (read
+        Its KV is gone, so ``num_computed_tokens``, ``num_cached_tokens`` and
+        ``draft_num_computed`` drop to 0 too (read
         ``num_cached_tokens`` first if a usage report needs it). Call it before
         ``Sequence.reset_for_recompute``, which clears the table without freeing it.
         """
         for block_id in reversed(seq.block_table):  # tail blocks enter the LRU queue first
             self._release(block_id)
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.draft_num_computed = 0
         self._seq_committed.pop(seq.seq_id, None)
+        self._seq_draft_marked.pop(seq.seq_id, None)
 
     def truncate(self, seq: Sequence, new_len: int) -> None:
         """Speculative rollback: keep ``ceil(new_len / block_size)`` blocks, free the rest.
@@ -306,8 +333,11 @@ class BlockManager:
             self._release(block_id)
         del seq.block_table[keep:]
         seq.num_computed_tokens = min(seq.num_computed_tokens, new_len)
+        if seq.seq_id in self._seq_draft_marked:
+            self._seq_draft_marked[seq.seq_id] = min(self._seq_draft_marked[seq.seq_id], keep)
         if not seq.block_table:
             self._seq_committed.pop(seq.seq_id, None)
+            self._seq_draft_marked.pop(seq.seq_id, None)
 
     # ------------------------------------------------------------------ checking
     def check_invariants(self) -> None:

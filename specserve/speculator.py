@@ -71,6 +71,11 @@ class Speculator:
         self._early: dict[int, list[int]] = {}  # seq id -> this step's model-free draft
         self._early_seconds = 0.0
         self._kv_after: dict[int, int] = {}  # seq id -> its proposer's KV after drafting
+        # Draft-model tokens per step are bounded like the target's: a prompt whose draft KV is
+        # missing (a prefix-cache hit on blocks a non-draft request filled, a long pause with
+        # k = 0) is caught up in chunks, never in one unbounded forward.
+        self._draft_budget = config.max_num_batched_tokens
+        self._catch_up: set[int] = set()  # decoding seq ids whose draft lags past the budget
 
     @property
     def draft(self) -> Proposer | None:
@@ -96,6 +101,7 @@ class Speculator:
         prefill_tokens = 0
         decoding = 0
         self._early.clear()
+        self._catch_up.clear()
         t0 = time.perf_counter()
         for seq in running:
             seq.spec_k = 0
@@ -117,6 +123,11 @@ class Speculator:
             method, k_max = self._pick(seq, k_max)
             seq.spec_step_method = method
             if k_max <= 0:
+                continue
+            if self.proposers[method].uses_model and self._draft_lag(seq) >= self._draft_budget:
+                # Drafting would first feed the draft every token it lacks in one forward: catch
+                # up in budget-sized chunks beside the next steps' work instead (draft_prefill).
+                self._catch_up.add(seq.seq_id)
                 continue
             rate = self.policy.acceptance_rate(seq.seq_id, method)
             candidates.append(Candidate(seq.seq_id, k_max, rate,
@@ -177,27 +188,43 @@ class Speculator:
     # ---- after scheduling -----------------------------------------------------------------
 
     def draft_prefill(self, batch: ScheduledBatch) -> None:
-        """Model proposers run beside the target's prompt chunks. Decode steps that do not
-        draft (k = 0) leave them behind on purpose: keeping in step would cost a draft forward
-        per token for nothing when the policy has turned speculation off; the next proposal
-        catches up on every token the draft lacks (see DraftModelProposer)."""
+        """Model proposers run beside the target's prompt chunks, at most ``_draft_budget``
+        tokens a step. Decode steps that do not draft (k = 0) leave them behind on purpose:
+        keeping in step would cost a draft forward per token for nothing when the policy has
+        turned speculation off; the next proposal catches up on the tokens the draft lacks
+        (see DraftModelProposer), or, when they exceed the budget, chunks here do first."""
         for name, proposer in self.proposers.items():
             if not proposer.uses_model:
                 continue
-            work = [s for s in batch.scheduled
-                    if s.seq.spec_method in (name, AUTO) and s.num_lookahead == 0
-                    and s.seq.is_prefill]
-            if not work:
+            chunks: list[PrefillChunk] = []
+            work: list[Sequence] = []
+            budget = self._draft_budget
+            for s in batch.scheduled:
+                seq = s.seq
+                if s.num_lookahead or seq.spec_method not in (name, AUTO) or budget <= 0:
+                    continue
+                if seq.is_prefill:
+                    end = seq.num_computed_tokens + s.num_new_tokens
+                elif seq.seq_id in self._catch_up:
+                    end = seq.num_tokens - 1  # step 0 of the next proposal feeds the last token
+                else:
+                    continue
+                end = min(end, seq.draft_num_computed + budget)
+                if end <= seq.draft_num_computed:
+                    continue
+                budget -= end - seq.draft_num_computed
+                chunks.append(PrefillChunk(seq.seq_id, seq.token_ids, end, seq.block_table,
+                                           seq.draft_num_computed))
+                work.append(seq)
+            if not chunks:
                 continue
-            chunks = [
-                PrefillChunk(s.seq.seq_id, s.seq.token_ids,
-                             s.seq.num_computed_tokens + s.num_new_tokens, s.seq.block_table,
-                             s.seq.draft_num_computed)
-                for s in work
-            ]
             # One KV counter per sequence: an engine holds at most one draft model.
-            for s, kv in zip(work, proposer.prefill(chunks)):
-                s.seq.draft_num_computed = kv
+            for seq, kv in zip(work, proposer.prefill(chunks)):
+                seq.draft_num_computed = kv
+
+    def _draft_lag(self, seq: Sequence) -> int:
+        """Tokens a draft model's first forward would feed beyond the last one."""
+        return seq.num_tokens - 1 - seq.draft_num_computed
 
     def propose(self, batch: ScheduledBatch, rows: dict[int, SampleRequest]) -> Drafts:
         out = Drafts(draft_seconds=self._early_seconds)

@@ -3,7 +3,9 @@
 The stateful test keeps a shadow KV cache: slot -> the whole token prefix whose KV it holds
 (the KV of position p depends on tokens[0..p]). After every operation, every computed token of
 every live sequence must find exactly its own prefix in its slot; a wrong prefix hit, a block
-reused while still referenced, or a write into a shared block shows up there.
+reused while still referenced, or a write into a shared block shows up there. A second shadow
+does the same for the draft model's KV (written only by sequences that run the draft), against
+``seq.draft_num_computed``: a hit that trusts a block's draft KV must find it written.
 """
 
 from __future__ import annotations
@@ -315,16 +317,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.live: dict[int, Sequence] = {}
         self.prompts: list[list[int]] = [[]]
         self.shadow: dict[int, tuple[int, ...]] = {}  # slot -> token prefix its KV was built from
+        self.draft_shadow: dict[int, tuple[int, ...]] = {}  # the same for the draft model's KV
         self.next_id = 0
 
     # -- helpers
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.bs] * self.bs + pos % self.bs
 
-    def _run(self, seq: Sequence, tokens: list[int], start: int) -> None:
+    def _run(self, seq: Sequence, tokens: list[int], start: int, shadow: dict | None = None
+             ) -> None:
         """Forward pass: write KV for positions start.. of ``tokens`` into their slots."""
+        shadow = self.shadow if shadow is None else shadow
         for pos in range(start, len(tokens)):
-            self.shadow[self._slot(seq, pos)] = tuple(tokens[: pos + 1])
+            shadow[self._slot(seq, pos)] = tuple(tokens[: pos + 1])
 
     def _ensure_prefix(self, seq: Sequence) -> None:
         """What the scheduler does for a sequence without blocks (new, preempted, rolled back)."""
@@ -333,6 +338,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert hit % self.bs == 0 and seq.num_computed_tokens == seq.num_cached_tokens == hit
             assert seq.num_tokens - hit >= 1
             self._check_kv(seq)  # the hit blocks hold exactly this sequence's prefix
+            assert seq.draft_num_computed <= hit and seq.draft_num_computed % self.bs == 0
+            if seq.draft_num_computed:
+                event("draft KV reused")
             event("prefix hit" if hit else "prefix miss")
 
     def _admit(self, seq: Sequence, chunk: int, sampled: int) -> None:
@@ -355,6 +363,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.shadow.get(self._slot(seq, pos)) == tuple(seq.token_ids[: pos + 1]), (
                 f"seq {seq.seq_id} pos {pos}: wrong KV"
             )
+        for pos in range(seq.draft_num_computed):
+            assert self.draft_shadow.get(self._slot(seq, pos)) == tuple(
+                seq.token_ids[: pos + 1]), f"seq {seq.seq_id} pos {pos}: wrong draft KV"
 
     # -- rules
     @rule(
@@ -377,8 +388,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if seq.seq_id in self.live and seq.num_tokens - seq.num_computed_tokens > 1:
             self._admit(seq, chunk, sampled)
 
-    @rule(seq=seqs, k=st.integers(0, 4), accepted=st.integers(0, 4), drafts=st.data())
-    def decode(self, seq: Sequence, k: int, accepted: int, drafts: st.DataObject) -> None:
+    @rule(seq=seqs, n=st.integers(1, 9))
+    def draft_catch_up(self, seq: Sequence, n: int) -> None:
+        """The draft model computes KV for up to n tokens it lacks (beside a prefill chunk)."""
+        if seq.seq_id not in self.live or not seq.block_table:
+            return
+        end = min(seq.num_computed_tokens, seq.draft_num_computed + n)
+        self._run(seq, seq.token_ids[:end], seq.draft_num_computed, self.draft_shadow)
+        seq.draft_num_computed = max(seq.draft_num_computed, end)
+        self.bm.commit_computed(seq)
+
+    @rule(seq=seqs, k=st.integers(0, 4), accepted=st.integers(0, 4), drafts=st.data(),
+          model_draft=st.booleans())
+    def decode(self, seq: Sequence, k: int, accepted: int, drafts: st.DataObject,
+               model_draft: bool) -> None:
         if seq.seq_id not in self.live:
             return
         self._ensure_prefix(seq)
@@ -388,11 +411,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         draft = drafts.draw(st.lists(st.integers(0, 2), min_size=k, max_size=k))
         start = seq.num_computed_tokens
+        if model_draft and k:  # the draft model fed what it lacked, then d_1 .. d_{k-1}
+            self._run(seq, seq.token_ids + draft[:-1], seq.draft_num_computed, self.draft_shadow)
         self._run(seq, seq.token_ids + draft, start)  # verify pass over last token + k drafts
         a = min(accepted, k)
         for t in draft[:a] + [drafts.draw(st.integers(0, 2))]:  # accepted drafts + bonus token
             seq.append_token(t)
         seq.num_computed_tokens = start + 1 + a
+        if model_draft and k:  # what the engine keeps of the draft's KV (speculator)
+            seq.draft_num_computed = min(start + k, seq.num_tokens - 1)
         self.bm.truncate(seq, seq.num_tokens)
         self.bm.commit_computed(seq)
 
@@ -414,6 +441,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         del seq.token_ids[new_len:]
         # The last kept token is fed again next step, as after a normal decode.
         seq.num_computed_tokens = min(seq.num_computed_tokens, new_len - 1)
+        seq.draft_num_computed = min(seq.draft_num_computed, new_len - 1)
         assert len(seq.block_table) <= -(-new_len // self.bs)
 
     @rule(seq=consumes(seqs))
