@@ -1,30 +1,44 @@
-"""Teacher data: continuations the target itself generates, with its next-token distribution.
+"""Teacher data: continuations the target itself generates, optionally with its distribution.
 
 The draft learns to predict what the target will say, so the training text is the target's own
-output for the prompts in ``distill/prompts.json``, generated through our batched engine. With
-every generated token the engine also returns the target's top-K log-probabilities at that
-position (the ``logprobs`` a client could ask for), which is the soft label the KL loss needs;
-no second teacher pass is run.
+output, generated through our batched engine. A conversation has one or more user turns; after
+each answer the target's own words go back in as the assistant turn and the next user turn is
+asked, so later answers are generated with the target's earlier answers in context. Each answer
+is one sequence: the whole rendered conversation so far (the prompt) plus the answer's tokens.
 
-On disk (``DIR/data/``), one shard per chunk of prompts, so an interrupted run resumes at the
+Two modes:
+- with logprobs (the draft method's KL loss): every generated token also carries the target's
+  top-K log-probabilities at that position (the ``logprobs`` a client could ask for), so no
+  second teacher pass is run. About 4 + 6 K = 124 bytes per response token.
+- tokens only (``logprobs=False``, ``specserve distill --no-logprobs``): ``top_ids`` and
+  ``top_logprobs`` are empty lists, and a trainer that needs the target's distribution or
+  features recomputes them from the token ids (the EAGLE head does). 4 bytes per token of a
+  sequence: a million response tokens take a few MB.
+
+On disk (``DIR/``), one shard per chunk of conversations, so an interrupted run resumes at the
 first missing shard:
 
     shard-00000.pt   {"tokens": [int32 [P+R]], "prompt_lens": [int], "ids": [str],
-                      "top_ids": [int32 [R, K]], "top_logprobs": [float16 [R, K]]}
+                      "top_ids": [int32 [R, K]] or [], "top_logprobs": [float16 [R, K]] or []}
+    settings.json    how the shards were made (checked on resume: a folder never mixes modes)
 
-Row r of ``top_*`` is the target's distribution over token P + r given tokens[:P + r].
+Row r of ``top_*`` is the target's distribution over token P + r given tokens[:P + r]. Ids are
+the conversation's id for its first answer and ``<id>/t<n>`` for the n-th (n >= 2).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from specserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +54,20 @@ class Prompt:
     prompt: str
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """User turns the target answers one after another (its answers fed back in between)."""
+
+    id: str
+    category: str
+    split: str  # "train" | "heldout"
+    turns: tuple[str, ...]
+
+    @classmethod
+    def from_prompt(cls, p: Prompt) -> Conversation:
+        return cls(p.id, p.category, p.split, (p.prompt,))
+
+
 def load_prompts(path: Path = PROMPTS_FILE, split: str | None = None) -> list[Prompt]:
     """The repository's prompt set (or another file of the same shape), optionally one split."""
     items = [Prompt(**p) for p in json.loads(Path(path).read_text())]
@@ -48,22 +76,29 @@ def load_prompts(path: Path = PROMPTS_FILE, split: str | None = None) -> list[Pr
 
 @dataclass
 class TeacherData:
-    """Sequences with the target's top-K next-token log-probs at each response position."""
+    """Sequences (prompt + the target's answer), with the target's top-K next-token log-probs
+    at each answer position unless the data is tokens-only (then ``top_*`` are empty)."""
 
     tokens: list[torch.Tensor] = field(default_factory=list)  # int32 [P + R] each
     prompt_lens: list[int] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
-    top_ids: list[torch.Tensor] = field(default_factory=list)  # int32 [R, K]
-    top_logprobs: list[torch.Tensor] = field(default_factory=list)  # float16 [R, K]
+    top_ids: list[torch.Tensor] = field(default_factory=list)  # int32 [R, K], or empty
+    top_logprobs: list[torch.Tensor] = field(default_factory=list)  # float16 [R, K], or empty
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @property
     def num_response_tokens(self) -> int:
-        return sum(len(t) for t in self.top_ids)
+        return sum(len(t) - p for t, p in zip(self.tokens, self.prompt_lens))
+
+    @property
+    def has_logprobs(self) -> bool:
+        return len(self.top_ids) == len(self.tokens) > 0
 
     def extend(self, other: TeacherData) -> None:
+        if self.tokens and other.tokens and self.has_logprobs != other.has_logprobs:
+            raise ConfigError("cannot mix tokens-only teacher data with data that has logprobs")
         for name in ("tokens", "prompt_lens", "ids", "top_ids", "top_logprobs"):
             getattr(self, name).extend(getattr(other, name))
 
@@ -84,54 +119,170 @@ class TeacherData:
         return data
 
 
-def _chunks(items: list[Prompt], size: int) -> Iterator[tuple[int, list[Prompt]]]:
+@dataclass(frozen=True)
+class GenSettings:
+    """What decides a folder's shards; a resumed run must ask for the same."""
+
+    max_tokens: int
+    temperature: float
+    chunk_size: int
+    logprobs: bool
+
+    def check_folder(self, folder: Path) -> None:
+        """Writes ``settings.json`` into a new folder; refuses a folder made otherwise."""
+        path = folder / "settings.json"
+        mine = self.__dict__
+        if path.is_file():
+            theirs = json.loads(path.read_text())
+            if theirs != mine:
+                diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+                raise ConfigError(
+                    f"{folder} holds teacher data made with other settings (was, now): {diff}; "
+                    f"rerun with the same flags (--max-new-tokens, --no-logprobs, "
+                    f"--chunk-size) or use a new --out"
+                )
+        elif any(folder.glob("shard-*.pt")):
+            # made before settings.json existed: only logprob shards were made then
+            shard = TeacherData.load(min(folder.glob("shard-*.pt")))
+            if shard.has_logprobs != self.logprobs:
+                raise ConfigError(f"{folder} holds teacher data of the other mode (logprobs "
+                                  f"{shard.has_logprobs}); use a new --out")
+            path.write_text(json.dumps(mine) + "\n")
+        else:
+            path.write_text(json.dumps(mine) + "\n")
+
+
+def _chunks(items: list, size: int) -> Iterator[tuple[int, list]]:
     for n, start in enumerate(range(0, len(items), size)):
         yield n, items[start:start + size]
 
 
 def generate_teacher_data(
     engine,  # specserve.engine.LLMEngine (typed loosely: importing it here would be circular)
-    prompts: list[Prompt],
+    prompts: list[Prompt] | list[Conversation],
     folder: Path,
     *,
     max_tokens: int,
     temperature: float = 0.0,
     chunk_size: int = 128,
+    logprobs: bool = True,
+    max_response_tokens: int | None = None,
+    deadline: float | None = None,
+    stats: dict | None = None,
 ) -> TeacherData:
-    """Generates (or resumes generating) teacher data for ``prompts`` into ``folder``."""
-    from specserve.sampling_params import SamplingParams
+    """Generates (or resumes generating) teacher data for ``prompts`` into ``folder``.
 
+    Stops early, between shards, once the folder holds ``max_response_tokens`` answer tokens,
+    or when the next shard would likely end after ``deadline`` (``time.monotonic()``; judged
+    from the last shard's duration). ``stats`` (if given) receives what this call generated:
+    ``sequences``, ``response_tokens``, ``prompt_tokens``, ``seconds``, ``shards``.
+    """
+    convs = [Conversation.from_prompt(p) if isinstance(p, Prompt) else p for p in prompts]
     folder.mkdir(parents=True, exist_ok=True)
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, logprobs=TOP_K, seed=None
-    )
-    chunks = list(_chunks(prompts, chunk_size))
-    bar = tqdm(total=len(prompts), desc="teacher data", unit="prompt", dynamic_ncols=True)
-    made_tokens = 0
-    for n, chunk in chunks:
+    GenSettings(max_tokens, temperature, chunk_size, logprobs).check_folder(folder)
+    made = {"sequences": 0, "response_tokens": 0, "prompt_tokens": 0, "seconds": 0.0,
+            "shards": 0}
+    have = 0  # answer tokens in the folder's shards so far
+    last_seconds = 0.0
+    bar = tqdm(total=len(convs), desc="teacher data", unit="conv", dynamic_ncols=True)
+    for n, chunk in _chunks(convs, chunk_size):
+        if max_response_tokens is not None and have >= max_response_tokens:
+            break
         shard = folder / f"shard-{n:05d}.pt"
         if shard.exists():
+            done = TeacherData.load(shard)
+            _check_shard(shard, done, chunk)
+            have += done.num_response_tokens
             bar.update(len(chunk))
             continue
-        encoded = [
-            engine.encode(engine.render_chat([{"role": "user", "content": p.prompt}]))
-            for p in chunk
-        ]
-        outs = engine.generate(encoded, params)
-        data = TeacherData()
-        for p, ids, out in zip(chunk, encoded, outs):
-            if not out.token_ids or out.logprobs is None:
+        if deadline is not None and time.monotonic() + last_seconds > deadline:
+            log.info("stopping before %s: the deadline would pass", shard.name)
+            break
+        t0 = time.monotonic()
+        data = _generate_chunk(engine, chunk, max_tokens, temperature, logprobs)
+        data.save(shard)
+        last_seconds = time.monotonic() - t0
+        have += data.num_response_tokens
+        made["sequences"] += len(data)
+        made["response_tokens"] += data.num_response_tokens
+        made["prompt_tokens"] += sum(data.prompt_lens)
+        made["seconds"] += last_seconds
+        made["shards"] += 1
+        bar.update(len(chunk))
+        bar.set_postfix(tokens=have, tok_s=f"{data.num_response_tokens / last_seconds:.0f}")
+    bar.close()
+    if stats is not None:
+        stats.update(made)
+    return TeacherData.load_dir(folder)
+
+
+def _check_shard(path: Path, data: TeacherData, chunk: list[Conversation]) -> None:
+    """A resumed shard must belong to the same conversations (same prompt set and order)."""
+    expected = {c.id for c in chunk}
+    found = {i.split("/t")[0] for i in data.ids}
+    if not found <= expected:
+        raise ConfigError(f"{path} was made from other prompts than this run's chunk "
+                          f"(e.g. {sorted(found - expected)[:3]}); use the same prompt flags "
+                          f"or a new --out")
+
+
+def _generate_chunk(
+    engine, chunk: list[Conversation], max_tokens: int, temperature: float, logprobs: bool
+) -> TeacherData:
+    """Answers every turn of every conversation of ``chunk``. All first turns are queued at
+    once; when an answer finishes, that conversation's next turn is queued right away, so the
+    engine's batch stays full across turns (no barrier between turn 1 and turn 2)."""
+    from specserve.outputs import OutputMerger
+    from specserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                            logprobs=TOP_K if logprobs else None, seed=None)
+    max_len = engine.config.max_model_len
+    history: dict[str, list[dict[str, str]]] = {c.id: [] for c in chunk}
+    by_id = {c.id: c for c in chunk}
+    pending: dict[str, tuple[str, int, list[int], OutputMerger]] = {}  # rid -> conv, turn, ...
+    rows: dict[tuple[str, int], tuple[list[int], object]] = {}
+
+    def submit(conv: Conversation, turn: int) -> None:
+        history[conv.id].append({"role": "user", "content": conv.turns[turn]})
+        ids = engine.encode(engine.render_chat(history[conv.id]))
+        if len(ids) + 1 >= max_len:  # no room for an answer: the conversation ends here
+            return
+        rid = f"teacher-{conv.id}-{turn}"
+        pending[rid] = (conv.id, turn, ids, OutputMerger())
+        engine.add_request(rid, ids, params)
+
+    for conv in chunk:
+        submit(conv, 0)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id not in pending:
                 continue
-            top_ids = [[t for t, _ in lp.top] for lp in out.logprobs]
-            top_lp = [[v for _, v in lp.top] for lp in out.logprobs]
+            conv_id, turn, ids, merger = pending[out.request_id]
+            merger.add(out)
+            if not out.finished:
+                continue
+            del pending[out.request_id]
+            full = merger.take()
+            if not full.token_ids:
+                continue
+            rows[(conv_id, turn)] = (ids, full)
+            conv = by_id[conv_id]
+            if turn + 1 < len(conv.turns):
+                history[conv_id].append({"role": "assistant", "content": full.text})
+                submit(conv, turn + 1)
+    data = TeacherData()
+    for conv in chunk:  # a stable order: conversations as given, turns in order
+        for turn in range(len(conv.turns)):
+            if (conv.id, turn) not in rows:
+                break
+            ids, out = rows[(conv.id, turn)]
             data.tokens.append(torch.tensor(ids + out.token_ids, dtype=torch.int32))
             data.prompt_lens.append(len(ids))
-            data.ids.append(p.id)
-            data.top_ids.append(torch.tensor(top_ids, dtype=torch.int32))
-            data.top_logprobs.append(torch.tensor(top_lp, dtype=torch.float16))
-        data.save(shard)
-        made_tokens += data.num_response_tokens
-        bar.update(len(chunk))
-        bar.set_postfix(tokens=made_tokens)
-    bar.close()
-    return TeacherData.load_dir(folder)
+            data.ids.append(conv.id if turn == 0 else f"{conv.id}/t{turn + 1}")
+            if logprobs:
+                data.top_ids.append(torch.tensor(
+                    [[t for t, _ in lp.top] for lp in out.logprobs], dtype=torch.int32))
+                data.top_logprobs.append(torch.tensor(
+                    [[v for _, v in lp.top] for lp in out.logprobs], dtype=torch.float16))
+    return data
