@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -172,45 +173,32 @@ def generate_teacher_data(
 ) -> TeacherData:
     """Generates (or resumes generating) teacher data for ``prompts`` into ``folder``.
 
-    Stops early, between shards, once the folder holds ``max_response_tokens`` answer tokens,
-    or when the next shard would likely end after ``deadline`` (``time.monotonic()``; judged
-    from the last shard's duration). ``stats`` (if given) receives what this call generated:
-    ``sequences``, ``response_tokens``, ``prompt_tokens``, ``seconds``, ``shards``.
+    Shard n holds the answers of chunk n (``chunk_size`` conversations). Chunks are not
+    barriers: conversations stream through the engine in a window of twice its batch, so while
+    the last answers of one chunk finish, the next chunk already fills the batch; each shard is
+    written (in order) as soon as its conversations are done.
+
+    No new chunk is started once the folder holds ``max_response_tokens`` answer tokens
+    (counting those already generated for chunks in flight), or when it would likely end
+    after ``deadline`` (``time.monotonic()``; judged from the time between the last two
+    shards). ``stats`` (if given) receives what this call generated: ``sequences``,
+    ``response_tokens``, ``prompt_tokens``, ``seconds`` (wall time), ``shards``.
     """
     convs = [Conversation.from_prompt(p) if isinstance(p, Prompt) else p for p in prompts]
     folder.mkdir(parents=True, exist_ok=True)
     GenSettings(max_tokens, temperature, chunk_size, logprobs).check_folder(folder)
-    made = {"sequences": 0, "response_tokens": 0, "prompt_tokens": 0, "seconds": 0.0,
-            "shards": 0}
-    have = 0  # answer tokens in the folder's shards so far
-    last_seconds = 0.0
-    bar = tqdm(total=len(convs), desc="teacher data", unit="conv", dynamic_ncols=True)
+    todo: list[tuple[Path, list[Conversation]]] = []
+    have = 0  # answer tokens in the folder's shards
     for n, chunk in _chunks(convs, chunk_size):
-        if max_response_tokens is not None and have >= max_response_tokens:
-            break
         shard = folder / f"shard-{n:05d}.pt"
         if shard.exists():
             done = TeacherData.load(shard)
             _check_shard(shard, done, chunk)
             have += done.num_response_tokens
-            bar.update(len(chunk))
-            continue
-        if deadline is not None and time.monotonic() + last_seconds > deadline:
-            log.info("stopping before %s: the deadline would pass", shard.name)
-            break
-        t0 = time.monotonic()
-        data = _generate_chunk(engine, chunk, max_tokens, temperature, logprobs)
-        data.save(shard)
-        last_seconds = time.monotonic() - t0
-        have += data.num_response_tokens
-        made["sequences"] += len(data)
-        made["response_tokens"] += data.num_response_tokens
-        made["prompt_tokens"] += sum(data.prompt_lens)
-        made["seconds"] += last_seconds
-        made["shards"] += 1
-        bar.update(len(chunk))
-        bar.set_postfix(tokens=have, tok_s=f"{data.num_response_tokens / last_seconds:.0f}")
-    bar.close()
+        else:
+            todo.append((shard, chunk))
+    gen = _StreamingGenerator(engine, max_tokens, temperature, logprobs)
+    made = gen.run(todo, have, max_response_tokens, deadline)
     if stats is not None:
         stats.update(made)
     return TeacherData.load_dir(folder)
@@ -226,63 +214,133 @@ def _check_shard(path: Path, data: TeacherData, chunk: list[Conversation]) -> No
                           f"or a new --out")
 
 
-def _generate_chunk(
-    engine, chunk: list[Conversation], max_tokens: int, temperature: float, logprobs: bool
-) -> TeacherData:
-    """Answers every turn of every conversation of ``chunk``. All first turns are queued at
-    once; when an answer finishes, that conversation's next turn is queued right away, so the
-    engine's batch stays full across turns (no barrier between turn 1 and turn 2)."""
-    from specserve.outputs import OutputMerger
-    from specserve.sampling_params import SamplingParams
+@dataclass
+class _Chunk:
+    shard: Path
+    convs: list[Conversation]
+    open: int  # conversations not finished yet
+    answers: dict[tuple[str, int], tuple[list[int], Any]] = field(default_factory=dict)
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                            logprobs=TOP_K if logprobs else None, seed=None)
-    max_len = engine.config.max_model_len
-    history: dict[str, list[dict[str, str]]] = {c.id: [] for c in chunk}
-    by_id = {c.id: c for c in chunk}
-    pending: dict[str, tuple[str, int, list[int], OutputMerger]] = {}  # rid -> conv, turn, ...
-    rows: dict[tuple[str, int], tuple[list[int], object]] = {}
 
-    def submit(conv: Conversation, turn: int) -> None:
-        history[conv.id].append({"role": "user", "content": conv.turns[turn]})
-        ids = engine.encode(engine.render_chat(history[conv.id]))
-        if len(ids) + 1 >= max_len:  # no room for an answer: the conversation ends here
+class _StreamingGenerator:
+    """Feeds conversations through the engine (every turn as soon as the previous answer is
+    done) and writes each chunk's shard in order once all its conversations are finished."""
+
+    def __init__(self, engine, max_tokens: int, temperature: float, logprobs: bool) -> None:
+        from specserve.sampling_params import SamplingParams
+
+        self.engine = engine
+        self.logprobs = logprobs
+        self.params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                     logprobs=TOP_K if logprobs else None, seed=None)
+        self.window = 2 * engine.config.max_num_seqs  # most conversations in flight
+        self.in_flight = 0
+        self.live_tokens = 0  # answer tokens collected for shards not written yet
+        self.max_len = engine.config.max_model_len
+        # request id -> (chunk, conversation, turn, prompt ids, merger, chat so far)
+        self.pending: dict[str, tuple[_Chunk, Conversation, int, list[int], Any, list]] = {}
+
+    def run(self, todo: list[tuple[Path, list[Conversation]]], have: int,
+            budget: int | None, deadline: float | None) -> dict:
+        made = {"sequences": 0, "response_tokens": 0, "prompt_tokens": 0, "seconds": 0.0,
+                "shards": 0}
+        t0 = last_save = time.monotonic()
+        shard_seconds = 0.0  # time between the last two shard writes: the next one's estimate
+        shard_tokens = 0  # answer tokens of the last shard written
+        admitted: list[_Chunk] = []  # in order; the head is the next shard to write
+        queue: list[tuple[_Chunk, Conversation]] = []  # admitted, not yet submitted
+        bar = tqdm(total=sum(len(c) for _, c in todo), desc="teacher data", unit="conv",
+                   dynamic_ncols=True)
+        while True:
+            # start chunks while the window has room and the budget and the deadline allow
+            while todo and len(queue) + self.in_flight < self.window:
+                if budget is not None and have + self.live_tokens >= budget:
+                    todo.clear()
+                    break
+                if deadline is not None and time.monotonic() + shard_seconds > deadline:
+                    log.info("not starting %s: it would end after the deadline", todo[0][0].name)
+                    todo.clear()
+                    break
+                shard, convs = todo.pop(0)
+                chunk = _Chunk(shard, convs, len(convs))
+                admitted.append(chunk)
+                queue.extend((chunk, c) for c in convs)
+            while queue and self.in_flight < self.window:
+                chunk, conv = queue.pop(0)
+                self.in_flight += 1
+                if not self._submit(chunk, conv, 0, []):
+                    self._finish(chunk, bar)
+            while admitted and admitted[0].open == 0:  # write finished shards in order
+                data = self._shard(admitted.pop(0))
+                now = time.monotonic()
+                shard_seconds, last_save = now - last_save, now
+                shard_tokens = data.num_response_tokens
+                have += shard_tokens
+                self.live_tokens -= shard_tokens
+                made["sequences"] += len(data)
+                made["response_tokens"] += shard_tokens
+                made["prompt_tokens"] += sum(data.prompt_lens)
+                made["shards"] += 1
+                bar.set_postfix(tokens=have, tok_s=f"{made['response_tokens'] / (now - t0):.0f}")
+            if not self.engine.has_unfinished():
+                if not queue and not todo:
+                    break
+                continue
+            for out in self.engine.step():
+                self._collect(out, bar)
+        bar.close()
+        made["seconds"] = last_save - t0
+        return made
+
+    def _submit(self, chunk: _Chunk, conv: Conversation, turn: int, chat: list) -> bool:
+        chat = chat + [{"role": "user", "content": conv.turns[turn]}]
+        ids = self.engine.encode(self.engine.render_chat(chat))
+        if len(ids) + 1 >= self.max_len:  # no room for an answer: the conversation ends here
+            return False
+        rid = f"teacher-{chunk.shard.stem}-{conv.id}-{turn}"
+        from specserve.outputs import OutputMerger
+
+        self.pending[rid] = (chunk, conv, turn, ids, OutputMerger(), chat)
+        self.engine.add_request(rid, ids, self.params)
+        return True
+
+    def _collect(self, out, bar) -> None:
+        if out.request_id not in self.pending:
             return
-        rid = f"teacher-{conv.id}-{turn}"
-        pending[rid] = (conv.id, turn, ids, OutputMerger())
-        engine.add_request(rid, ids, params)
-
-    for conv in chunk:
-        submit(conv, 0)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id not in pending:
-                continue
-            conv_id, turn, ids, merger = pending[out.request_id]
-            merger.add(out)
-            if not out.finished:
-                continue
-            del pending[out.request_id]
-            full = merger.take()
-            if not full.token_ids:
-                continue
-            rows[(conv_id, turn)] = (ids, full)
-            conv = by_id[conv_id]
+        chunk, conv, turn, ids, merger, chat = self.pending[out.request_id]
+        merger.add(out)
+        if not out.finished:
+            return
+        del self.pending[out.request_id]
+        full = merger.take()
+        if full.token_ids:
+            chunk.answers[(conv.id, turn)] = (ids, full)
+            self.live_tokens += len(full.token_ids)
             if turn + 1 < len(conv.turns):
-                history[conv_id].append({"role": "assistant", "content": full.text})
-                submit(conv, turn + 1)
-    data = TeacherData()
-    for conv in chunk:  # a stable order: conversations as given, turns in order
-        for turn in range(len(conv.turns)):
-            if (conv.id, turn) not in rows:
-                break
-            ids, out = rows[(conv.id, turn)]
-            data.tokens.append(torch.tensor(ids + out.token_ids, dtype=torch.int32))
-            data.prompt_lens.append(len(ids))
-            data.ids.append(conv.id if turn == 0 else f"{conv.id}/t{turn + 1}")
-            if logprobs:
-                data.top_ids.append(torch.tensor(
-                    [[t for t, _ in lp.top] for lp in out.logprobs], dtype=torch.int32))
-                data.top_logprobs.append(torch.tensor(
-                    [[v for _, v in lp.top] for lp in out.logprobs], dtype=torch.float16))
-    return data
+                chat = chat + [{"role": "assistant", "content": full.text}]
+                if self._submit(chunk, conv, turn + 1, chat):
+                    return
+        self._finish(chunk, bar)
+
+    def _finish(self, chunk: _Chunk, bar) -> None:
+        self.in_flight -= 1
+        chunk.open -= 1
+        bar.update(1)
+
+    def _shard(self, chunk: _Chunk) -> TeacherData:
+        data = TeacherData()
+        for conv in chunk.convs:  # a stable order: conversations as given, turns in order
+            for turn in range(len(conv.turns)):
+                if (conv.id, turn) not in chunk.answers:
+                    break
+                ids, out = chunk.answers[(conv.id, turn)]
+                data.tokens.append(torch.tensor(ids + out.token_ids, dtype=torch.int32))
+                data.prompt_lens.append(len(ids))
+                data.ids.append(conv.id if turn == 0 else f"{conv.id}/t{turn + 1}")
+                if self.logprobs:
+                    data.top_ids.append(torch.tensor(
+                        [[t for t, _ in lp.top] for lp in out.logprobs], dtype=torch.int32))
+                    data.top_logprobs.append(torch.tensor(
+                        [[v for _, v in lp.top] for lp in out.logprobs], dtype=torch.float16))
+        data.save(chunk.shard)
+        return data

@@ -91,13 +91,17 @@ def test_resume_regenerates_only_the_missing_shard_and_refuses_other_settings(ta
                               logprobs=False)
 
 
-def test_token_budget_stops_between_shards(target, tmp_path):
+def test_token_budget_stops_starting_shards(target, tmp_path):
     path, _ = target
-    engine = engine_for(path)
+    # one sequence at a time: a window of 2 conversations, so chunks 0 and 1 start together;
+    # once shard 0 is written the budget is met and no further chunk starts
+    engine = make(path, num_kv_blocks=600, max_num_seqs=1, speculative_method="off")
     data = generate_teacher_data(engine, CONVS, tmp_path, max_tokens=6, chunk_size=1,
                                  logprobs=False, max_response_tokens=1)
-    assert sorted(p.name for p in tmp_path.glob("shard-*.pt")) == ["shard-00000.pt"]
-    assert data.ids == ["a", "a/t2"]
+    assert sorted(p.name for p in tmp_path.glob("shard-*.pt")) == ["shard-00000.pt",
+                                                                   "shard-00001.pt"]
+    assert data.ids == ["a", "a/t2", "b"]
+    assert not engine.has_unfinished()
 
 
 def test_logprob_shards_keep_the_distribution_of_each_token(target, tmp_path):
