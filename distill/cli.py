@@ -52,7 +52,6 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--chunk-size", type=int, default=None,
                    help="conversations per shard [default: 4 x --gen-batch with --corpus, "
                         "else 128]")
-    d.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] [default: auto]")
     p.add_argument("--layers", type=int, default=s.num_layers,
                    help=f"decoder layers in the draft [default: {s.num_layers}]")
     p.add_argument("--init-layers", default=",".join(map(str, s.init_layers)),
@@ -119,7 +118,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
             chunk_size=args.chunk_size, logprobs=args.logprobs,
             max_data_tokens=args.max_data_tokens, data_minutes=args.data_minutes,
-            device=args.device, dtype=args.dtype, num_threads=args.num_threads,
+            dtype=args.dtype, num_threads=args.num_threads,
         ))
         print(f"teacher data in {args.out / 'data'}")
         return 0

@@ -44,7 +44,8 @@ class DataGenConfig:
     logprobs: bool = True  # False: tokens-only shards
     max_data_tokens: int | None = None  # stop once the train shards hold this many answer tokens
     data_minutes: float | None = None  # stop starting shards that would end after this
-    device: str = "auto"
+    device: str = "auto"  # auto: cuda when torch sees a GPU
+    attention_backend: str = "auto"
     dtype: str = "float32"
     num_threads: int | None = None
     kv_cache_memory: int | None = None  # None: the engine's default (2 GiB CPU, 90% GPU)
@@ -88,6 +89,7 @@ def run_datagen(cfg: DataGenConfig) -> dict:
         draft_model="none", max_num_seqs=cfg.gen_batch,
         max_num_batched_tokens=max(2048, 32 * cfg.gen_batch), enable_prefix_caching=True,
         num_threads=cfg.num_threads, kv_cache_memory=cfg.kv_cache_memory,
+        attention_backend=cfg.attention_backend,
     ))
     load_seconds = time.monotonic() - t_start
     data = cfg.out / "data"

@@ -141,8 +141,7 @@ def test_cli_data_only_writes_tokens_only_shards_and_a_speed_log(text_model, tmp
     out = tmp_path / "run"
     assert cli_main(["distill", "--data-only", "--no-logprobs", "--target", text_model,
                      "--out", str(out), "--prompts", str(prompts), "--max-new-tokens", "5",
-                     "--gen-batch", "2", "--turns", "2", "--corpus", "--num-prompts", "3",
-                     "--device", "cpu"]) == 0
+                     "--gen-batch", "2", "--turns", "2", "--corpus", "--num-prompts", "3"]) == 0
     train = TeacherData.load_dir(out / "data" / "train")
     assert not train.has_logprobs and len({i.split("/")[0] for i in train.ids}) == 3
     assert TeacherData.load_dir(out / "data" / "heldout").ids[0] == "p3"
