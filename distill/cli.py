@@ -48,7 +48,8 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--max-data-tokens", type=int, default=None,
                    help="stop once the train shards hold this many answer tokens")
     d.add_argument("--data-minutes", type=float, default=None,
-                   help="stop starting train shards that would end after this many minutes")
+                   help="start no train shard that would end after this many minutes of "
+                        "generation (the engine's start not counted)")
     d.add_argument("--chunk-size", type=int, default=None,
                    help="conversations per shard [default: 4 x --gen-batch with --corpus, "
                         "else 128]")

@@ -43,7 +43,8 @@ class DataGenConfig:
     chunk_size: int | None = None  # conversations per shard; None: 4 x gen_batch (corpus) or 128
     logprobs: bool = True  # False: tokens-only shards
     max_data_tokens: int | None = None  # stop once the train shards hold this many answer tokens
-    data_minutes: float | None = None  # stop starting shards that would end after this
+    # start no train shard that would end after this many minutes of generation
+    data_minutes: float | None = None
     device: str = "auto"  # auto: cuda when torch sees a GPU
     attention_backend: str = "auto"
     dtype: str = "float32"
@@ -83,7 +84,6 @@ def run_datagen(cfg: DataGenConfig) -> dict:
     train, heldout = conversations(cfg)
     chunk = cfg.chunk_size or (4 * cfg.gen_batch if cfg.corpus else 128)
     t_start = time.monotonic()
-    deadline = t_start + 60 * cfg.data_minutes if cfg.data_minutes else None
     engine = LLMEngine(EngineConfig(
         model=cfg.target, device=cfg.device, dtype=cfg.dtype, speculative_method="off",
         draft_model="none", max_num_seqs=cfg.gen_batch,
@@ -92,6 +92,8 @@ def run_datagen(cfg: DataGenConfig) -> dict:
         attention_backend=cfg.attention_backend,
     ))
     load_seconds = time.monotonic() - t_start
+    # the generation's own clock: the engine's start (minutes on a busy CPU) does not count
+    deadline = time.monotonic() + 60 * cfg.data_minutes if cfg.data_minutes else None
     data = cfg.out / "data"
     common = dict(max_tokens=cfg.max_new_tokens, chunk_size=chunk, logprobs=cfg.logprobs)
     train_stats: dict = {}

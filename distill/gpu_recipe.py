@@ -316,14 +316,15 @@ def run(out: Path, minutes: float, tokens: int, max_new_tokens: int, gen_batch: 
     r.report["cuda"] = torch.cuda.get_device_name() if on_gpu else None
     engine = STORE / "engine.json"
     choice = tuple(json.loads(engine.read_text())) if engine.is_file() else None
-    # Data: about half the call (it stops starting shards at the deadline), training the rest.
-    data_minutes = max(0.5, min(5.0, 0.5 * r.left(minutes) / 60))
+    # Data: about 45% of the call (it starts no shard past the deadline, counted after the
+    # engine's start), training the rest.
+    data_minutes = max(0.5, min(4.5, 0.45 * r.left(minutes) / 60))
     spec = dict(out=str(work), target=str(gguf), corpus=True, turns=2, num_heldout=heldout,
                 max_new_tokens=max_new_tokens, gen_batch=gen_batch,
                 chunk_size=2 * gen_batch, logprobs=False, max_data_tokens=tokens,
                 data_minutes=data_minutes)
     t = time.monotonic()
-    r.report["datagen"] = r.datagen(spec, timeout=data_minutes * 60 + 150, choice=choice)
+    r.report["datagen"] = r.datagen(spec, timeout=data_minutes * 60 + 180, choice=choice)
     r.report["datagen_seconds"] = round(time.monotonic() - t, 1)
     helptext = subprocess.run([sys.executable, "-m", "specserve", "distill", "--help"],
                               cwd=ROOT, capture_output=True, text=True).stdout
