@@ -257,7 +257,9 @@ class _StreamingGenerator:
                 if budget is not None and have + self.live_tokens >= budget:
                     todo.clear()
                     break
-                if deadline is not None and time.monotonic() + shard_seconds > deadline:
+                # it ends after the chunks already admitted: about one shard interval each
+                ends = time.monotonic() + (len(admitted) + 1) * shard_seconds
+                if deadline is not None and ends > deadline:
                     log.info("not starting %s: it would end after the deadline", todo[0][0].name)
                     todo.clear()
                     break

@@ -74,7 +74,7 @@ ENGINE_OPTIONS = [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "torch
 # The target's shape (SmolLM2-135M), for the random-weight check of call 1.
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5,
                     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 PRE = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
        "--target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 "
