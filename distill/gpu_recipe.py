@@ -10,8 +10,10 @@ outside the repository (/root/specserve-gguf) between calls. The machine stays w
 after a call, so run the calls back to back: if it is given back in between, the stored parts
 are gone and the last call says so (start again at call 1).
 
-Here, once, in the repository root (splits the GGUF into .gguf_parts/, downloads the wheels
-into .whl/, adds both to .git/info/exclude, and prints the exact calls for the current tree):
+Here, once, in the root of the checkout the device tool sends (the session's own checkout,
+also when a helper's worktree made the change; it splits the GGUF into .gguf_parts/, downloads
+the wheels into .whl/, adds both to .git/info/exclude, and prints the exact calls, with the
+number of parts computed from that tree's size):
 
     python -m distill.gpu_recipe prepare
 
@@ -289,7 +291,7 @@ def check(out: Path) -> None:
                 gen_batch=256 if on_gpu else 4, chunk_size=256 if on_gpu else 2,
                 logprobs=False, data_minutes=0.75)
     shutil.rmtree(spec["out"], ignore_errors=True)
-    record = r.datagen(spec, timeout=240, choice=None)
+    record = r.datagen(spec, timeout=240 if on_gpu else 900, choice=None)
     r.report["random_weights_datagen"] = record
     if record is not None:
         (STORE / "engine.json").write_text(json.dumps([record["dtype"],
