@@ -33,7 +33,26 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:
                    help="longest target response generated per prompt [default: 256]")
     p.add_argument("--gen-batch", type=int, default=32,
                    help="sequences decoded together while generating data [default: 32]")
-    p.add_argument("--data-only", action="store_true", help="stop after the teacher data")
+    p.add_argument("--data-only", action="store_true",
+                   help="only generate (or resume) the teacher data, with the data flags below")
+    d = p.add_argument_group("teacher data (--data-only; see distill/datagen.py)")
+    d.add_argument("--corpus", action="store_true",
+                   help="train split: the large multi-turn corpus of distill/corpus.py "
+                        "(~6k conversations) instead of the train prompts of --prompts")
+    d.add_argument("--turns", type=int, default=2,
+                   help="most user turns per --corpus conversation; the target's own answers "
+                        "are fed back between turns [default: 2]")
+    d.add_argument("--no-logprobs", dest="logprobs", action="store_false",
+                   help="tokens-only shards (no top-20 teacher logprobs): for trainers that "
+                        "recompute the target's outputs (--method eagle); ~4 bytes per token")
+    d.add_argument("--max-data-tokens", type=int, default=None,
+                   help="stop once the train shards hold this many answer tokens")
+    d.add_argument("--data-minutes", type=float, default=None,
+                   help="start no train shard that would end after this many minutes of "
+                        "generation (the engine's start not counted)")
+    d.add_argument("--chunk-size", type=int, default=None,
+                   help="conversations per shard [default: 4 x --gen-batch with --corpus, "
+                        "else 128]")
     p.add_argument("--layers", type=int, default=s.num_layers,
                    help=f"decoder layers in the draft [default: {s.num_layers}]")
     p.add_argument("--init-layers", default=",".join(map(str, s.init_layers)),
@@ -66,7 +85,8 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:
                    help="new tokens per prompt [default: 64]")
     e.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="draft lengths [default: 1..8]")
     e.add_argument("--temperatures", default="0,0.7", help="[default: 0,0.7]")
-    e.add_argument("--dtype", default="float32", help="engine dtype for --eval [default: float32]")
+    e.add_argument("--dtype", default="float32",
+                   help="engine dtype for --eval and --data-only [default: float32]")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
 
 
@@ -88,10 +108,24 @@ def cmd_distill(args: argparse.Namespace) -> int:
         print(report)
         return 0
 
-    from distill.run import DistillConfig, run_distill
-
     if args.out is None:
         raise ConfigError("distill needs --out DIR (where data, checkpoint and draft go)")
+    if args.data_only:
+        from distill.datagen import DataGenConfig, run_datagen
+
+        run_datagen(DataGenConfig(
+            out=args.out, target=args.target, prompts=args.prompts, corpus=args.corpus,
+            turns=args.turns, num_prompts=args.num_prompts, num_heldout=args.num_heldout,
+            max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
+            chunk_size=args.chunk_size, logprobs=args.logprobs,
+            max_data_tokens=args.max_data_tokens, data_minutes=args.data_minutes,
+            dtype=args.dtype, num_threads=args.num_threads,
+        ))
+        print(f"teacher data in {args.out / 'data'}")
+        return 0
+
+    from distill.run import DistillConfig, run_distill
+
     cfg = DistillConfig(
         out=args.out, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
         num_heldout=args.num_heldout, max_new_tokens=args.max_new_tokens,
