@@ -87,6 +87,8 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:
                         "OUT/draft if present, else the built-in target's shipped draft]")
     e.add_argument("--eagle", default=None,
                    help="EAGLE head folder to evaluate [default with --method eagle: OUT/eagle]")
+    e.add_argument("--eval-category", default=None,
+                   help="only held-out prompts of this category, e.g. chat [default: all]")
     e.add_argument("--eval-batch", type=int, default=None,
                    help="sequences decoded together; 1 measures single-stream speedup "
                         "[default: all prompts at once]")
@@ -115,6 +117,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
             num_prompts=args.eval_prompts, max_tokens=args.eval_tokens,
             ks=_ints(args.ks, "--ks"), temperatures=_floats(args.temperatures),
             dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=args.eval_batch,
+            category=args.eval_category,
         ))
         print(report)
         return 0

@@ -39,6 +39,7 @@ class EvalConfig:
     num_threads: int | None = None
     eagle: str | None = None  # an EAGLE head folder (None: not measured)
     max_num_seqs: int | None = None  # sequences decoded together (None: every prompt)
+    category: str | None = None  # only held-out prompts of this category (None: all)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ def measure(cfg: EvalConfig, folder: str | None = None, method: str = "draft"
         adaptive_speculation=False, num_threads=cfg.num_threads, kv_cache_memory=512 << 20,
         max_num_seqs=cfg.max_num_seqs or max(cfg.num_prompts, 1),
     ))
-    prompts = load_prompts(cfg.prompts, "heldout")[: cfg.num_prompts]
+    prompts = [p for p in load_prompts(cfg.prompts, "heldout")
+               if cfg.category is None or p.category == cfg.category][: cfg.num_prompts]
     chats = [engine.encode(engine.render_chat([{"role": "user", "content": p.prompt}]))
              for p in prompts]
     costs = _costs(engine, cfg.ks)
@@ -184,7 +186,8 @@ def render(rows: list[EvalRow], cost: float, cfg: EvalConfig) -> str:
     batch = cfg.max_num_seqs or cfg.num_prompts
     lines += [
         "",
-        f"{cfg.num_prompts} held-out prompts of {cfg.prompts.name}, {cfg.max_tokens} new tokens "
+        f"{cfg.num_prompts} held-out {cfg.category + ' ' if cfg.category else ''}prompts of "
+        f"{cfg.prompts.name}, {cfg.max_tokens} new tokens "
         f"each, fixed k, dtype {cfg.dtype}, batch {batch}. Draft step costs {cost:.3f}x a "
         f"target step (batch 1). Predicted: single stream, from tokens/verify and measured step "
         f"costs; measured: wall time without / with speculation, same run and batch.",
