@@ -46,8 +46,10 @@ def build_head(
     return head
 
 
-def save_head(head: EagleHead, target_hf_config: Any, out: Path, card: dict[str, Any]) -> None:
-    """config.json + model.safetensors (bfloat16, ~2 bytes per parameter) + card.json/README."""
+def save_head(head: EagleHead, target_hf_config: Any, out: Path, card: dict[str, Any],
+              dtype: torch.dtype = torch.bfloat16) -> None:
+    """config.json + model.safetensors (bfloat16 by default, ~2 bytes per parameter) +
+    card.json/README."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -61,7 +63,7 @@ def save_head(head: EagleHead, target_hf_config: Any, out: Path, card: dict[str,
     })
     config.save_pretrained(out)
     tensors = {
-        k: (v if k == HEAD_IDS else v.detach().to(torch.bfloat16)).cpu().contiguous()
+        k: (v if k == HEAD_IDS else v.detach().to(dtype)).cpu().contiguous()
         for k, v in head.saved_state().items()
     }
     tmp = out / "model.safetensors.tmp"

@@ -288,7 +288,7 @@ def train_head(
             step += 1
             seen += int((batch.lengths - batch.prompt_lens).sum())
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}",
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}",
                             agree="/".join(f"{float(h.float().mean()):.2f}" for h in hits))
             if step % cfg.checkpoint_every == 0:
                 save()

@@ -175,7 +175,8 @@ def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
     _, after = train_head(head, teacher, train, val, cfg, tmp_path / "ck.pt")
     assert before is not None and after is not None
     assert after.tokens_per_verify > before.tokens_per_verify
-    save_head(head, hf_config, tmp_path / "head", {})
+    # float32: the tiny target's margins are narrower than bfloat16 rounding of the weights
+    save_head(head, hf_config, tmp_path / "head", {}, dtype=torch.float32)
     engine = make(str(path), str(tmp_path / "head"))
     held_out = prompts([8] * 8, seed=99)
     outs = engine.generate(held_out, SamplingParams(max_tokens=40, temperature=0.0,
