@@ -6,19 +6,25 @@ import argparse
 from pathlib import Path
 
 from distill.data import PROMPTS_FILE
+from distill.eagle_train import EagleTrainConfig
 from distill.student import StudentSpec
 from distill.train import TrainConfig
 
 
 def add_distill_parser(sub: argparse._SubParsersAction) -> None:
-    s, t = StudentSpec(), TrainConfig()
+    s, t, et = StudentSpec(), TrainConfig(), EagleTrainConfig()
     p = sub.add_parser(
         "distill",
         help="distill a draft model for a target (same tokenizer), or --eval one",
         description="Trains a small draft on the target's own outputs (KL to its next-token "
-                    "distribution) and writes OUT/draft, a folder for --draft-model. "
-                    "Interrupted runs resume. With --eval, measures a draft's acceptance.",
+                    "distribution) and writes OUT/draft, a folder for --draft-model; with --method "
+                    "eagle, trains a one-layer head on the target's hidden states from teacher "
+                    "shards and writes OUT/eagle. Interrupted runs resume. With --eval, "
+                    "measures a draft's (and an EAGLE head's) acceptance and speedup.",
     )
+    p.add_argument("--method", choices=("model", "eagle"), default="model",
+                   help="model: a small standalone draft LM (OUT/draft); eagle: a one-layer "
+                        "head on the target's hidden states (OUT/eagle) [default: model]")
     p.add_argument("--target", default=None,
                    help="target model: HF folder, .gguf or hub id (default: built-in SmolLM2)")
     p.add_argument("--out", type=Path, default=None,
@@ -61,8 +67,10 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head-vocab", type=int, default=s.head_vocab_size,
                    help=f"tokens the draft's head scores (most frequent in the target's output) "
                         f"[default: {s.head_vocab_size}]")
-    p.add_argument("--steps", type=int, default=t.steps, help=f"[default: {t.steps}]")
-    p.add_argument("--lr", type=float, default=t.lr, help=f"peak learning rate [default: {t.lr}]")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"[default: {t.steps} (model), {et.steps} (eagle)]")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate [default: {t.lr} (model), {et.lr} (eagle)]")
     p.add_argument("--batch-tokens", type=int, default=t.batch_tokens,
                    help=f"padded tokens per batch [default: {t.batch_tokens}]")
     p.add_argument("--max-len", type=int, default=t.max_len,
@@ -75,10 +83,34 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:
                    help="stop training (with a checkpoint) after this many minutes")
     p.add_argument("--seed", type=int, default=t.seed, help=f"[default: {t.seed}]")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g = p.add_argument_group("EAGLE head (--method eagle)")
+    g.add_argument("--data", type=Path, default=None,
+                   help="folder of teacher shards (shard-*.pt; only tokens and prompt_lens are "
+                        "read) [default: OUT/data/train]; held-out: its sibling heldout/ if it "
+                        "has shards, else every 20th sequence")
+    g.add_argument("--device", default="cpu",
+                   help="where training runs: cpu or cuda (bfloat16 autocast) [default: cpu]")
+    g.add_argument("--ttt-steps", type=int, default=et.ttt_steps,
+                   help=f"chained draft steps unrolled in training [default: {et.ttt_steps}]")
+    g.add_argument("--feature-noise", type=float, default=et.feature_noise,
+                   help=f"noise on target features, relative to their std "
+                        f"[default: {et.feature_noise}]")
+    g.add_argument("--target-layers", default=None,
+                   help="target layers whose outputs the head fuses, e.g. 1,14,26 "
+                        "[default: 2nd, middle-1, 4th from the end]")
     e = p.add_argument_group("evaluation (--eval)")
     e.add_argument("--eval", action="store_true",
                    help="measure --draft against --target on held-out prompts instead")
-    e.add_argument("--draft", default=None, help="draft folder to evaluate [default: OUT/draft]")
+    e.add_argument("--draft", default=None,
+                   help="draft folder to evaluate [default: OUT/draft; with --method eagle: "
+                        "OUT/draft if present, else the built-in target's shipped draft]")
+    e.add_argument("--eagle", default=None,
+                   help="EAGLE head folder to evaluate [default with --method eagle: OUT/eagle]")
+    e.add_argument("--eval-category", default=None,
+                   help="only held-out prompts of this category, e.g. chat [default: all]")
+    e.add_argument("--eval-batch", type=int, default=None,
+                   help="sequences decoded together; 1 measures single-stream speedup "
+                        "[default: all prompts at once]")
     e.add_argument("--eval-prompts", type=int, default=32,
                    help="held-out prompts decoded per setting [default: 32]")
     e.add_argument("--eval-tokens", type=int, default=64,
@@ -96,14 +128,16 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if args.eval:
         from distill.evaluate import EvalConfig, run_eval
 
-        draft = args.draft or (str(args.out / "draft") if args.out else None)
-        if draft is None:
-            raise ConfigError("--eval needs --draft DIR (or --out DIR holding OUT/draft)")
+        draft, eagle = _eval_folders(args)
+        if draft is None and eagle is None:
+            raise ConfigError("--eval needs --draft DIR and/or --eagle DIR (or --out DIR "
+                              "holding OUT/draft or OUT/eagle)")
         report = run_eval(EvalConfig(
-            target=args.target, draft=draft, prompts=args.prompts,
+            target=args.target, draft=draft, eagle=eagle, prompts=args.prompts,
             num_prompts=args.eval_prompts, max_tokens=args.eval_tokens,
             ks=_ints(args.ks, "--ks"), temperatures=_floats(args.temperatures),
-            dtype=args.dtype, num_threads=args.num_threads,
+            dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=args.eval_batch,
+            category=args.eval_category,
         ))
         print(report)
         return 0
@@ -123,6 +157,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
         ))
         print(f"teacher data in {args.out / 'data'}")
         return 0
+    if args.method == "eagle":
+        return _cmd_eagle(args)
 
     from distill.run import DistillConfig, run_distill
 
@@ -135,13 +171,52 @@ def cmd_distill(args: argparse.Namespace) -> int:
             head_vocab_size=args.head_vocab,
         ),
         train=TrainConfig(
-            steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens, max_len=args.max_len,
+            steps=args.steps or TrainConfig.steps, lr=args.lr or TrainConfig.lr,
+            batch_tokens=args.batch_tokens, max_len=args.max_len,
             checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
             max_minutes=args.max_minutes, seed=args.seed,
         ),
     )
     out = run_distill(cfg)
     print(f"draft written to {out}" if out else f"teacher data in {args.out / 'data'}")
+    return 0
+
+
+def _eval_folders(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(draft, eagle) folders to evaluate: given ones, else what OUT holds."""
+    def in_out(name: str) -> str | None:
+        return str(args.out / name) if args.out and (args.out / name).is_dir() else None
+
+    if args.method != "eagle":
+        return args.draft or (str(args.out / "draft") if args.out else None), args.eagle
+    draft = args.draft or in_out("draft")
+    if draft is None and args.target is None:
+        from specserve.models import resolve_draft
+
+        draft = resolve_draft(None, None)
+    return draft, args.eagle or in_out("eagle")
+
+
+def _cmd_eagle(args: argparse.Namespace) -> int:
+    from distill.eagle_run import EagleConfig, run_eagle
+
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    et = EagleTrainConfig()
+    layers = _ints(args.target_layers, "--target-layers") if args.target_layers else None
+    out = run_eagle(EagleConfig(
+        out=args.out, target=args.target, data=args.data, head_vocab_size=args.head_vocab,
+        target_layers=tuple(layers) if layers else None,
+        train=EagleTrainConfig(
+            steps=args.steps or et.steps, lr=args.lr or et.lr, batch_tokens=args.batch_tokens,
+            max_len=args.max_len, ttt_steps=args.ttt_steps, feature_noise=args.feature_noise,
+            checkpoint_every=args.checkpoint_every, eval_every=args.eval_every,
+            max_minutes=args.max_minutes, seed=args.seed, device=args.device,
+        ),
+    ))
+    print(f"EAGLE head written to {out}")
     return 0
 
 

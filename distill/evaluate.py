@@ -1,9 +1,17 @@
-"""`specserve distill --eval`: how good is a draft for its target, measured through the engine.
+"""`specserve distill --eval`: how good is a draft (a standalone draft LM, an EAGLE head) for its
+target, measured through the engine.
 
 On held-out prompts (never trained on), for each temperature and each fixed k, the engine
-decodes with the draft (adaptive k off) and reports acceptance (accepted / drafted) and the
-mean accepted length per verify step (accepted drafts + the target's own token). The draft's
-cost relative to the target is one batch-1 decode step of each, timed on the same runners.
+decodes with the draft (adaptive k off) and reports:
+- acceptance per position i = 1..k: the fraction of verify steps whose first i drafts were all
+  accepted (read from each output token's ``from_draft`` flag);
+- tokens per verify (accepted drafts + the target's own token);
+- draft cost: one batch-1 draft step over one batch-1 target decode step, timed on the same
+  runners; verify cost v(k): a batch-1 target step over k + 1 tokens over one over 1 token;
+- predicted speedup tokens_per_verify / (k x draft cost + v(k)) (single stream) and measured
+  speedup: the same prompts decoded without speculation, wall time over wall time, same run
+  and batch (``max_num_seqs``; default all prompts at once, so the measured number is the
+  batched one unless ``--eval-batch 1``).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from distill.data import PROMPTS_FILE, load_prompts
 
 @dataclass(frozen=True)
 class EvalConfig:
-    draft: str
+    draft: str | None  # a standalone draft folder (None: not measured)
     target: str | None = None
     prompts: Path = PROMPTS_FILE
     num_prompts: int = 32
@@ -29,6 +37,9 @@ class EvalConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
     dtype: str = "float32"
     num_threads: int | None = None
+    eagle: str | None = None  # an EAGLE head folder (None: not measured)
+    max_num_seqs: int | None = None  # sequences decoded together (None: every prompt)
+    category: str | None = None  # only held-out prompts of this category (None: all)
 
 
 @dataclass(frozen=True)
@@ -38,97 +49,180 @@ class EvalRow:
     acceptance: float
     mean_accepted_length: float
     tokens: int
+    per_position: tuple[float, ...] = ()
+    predicted_speedup: float = 0.0
+    measured_speedup: float = 0.0
 
 
-def _cost_ratio(engine, repeats: int = 30) -> float:
-    """Median time of one batch-1 decode step of the draft / of the target (same context)."""
-    from kernels.metadata import AttentionMetadata
-
-    draft_runner = engine.speculator.draft.runner
-    ctx = 64
-    table = list(range((ctx + engine.config.block_size - 1) // engine.config.block_size))
-    meta = AttentionMetadata.build([1], [ctx], [table], engine.config.block_size, engine.device)
-    ids = torch.tensor([42], device=engine.device)
-    pos = torch.tensor([ctx - 1], device=engine.device)
-    last = torch.tensor([0], device=engine.device)
-
-    def timed(runner) -> float:
-        runner.forward(ids, pos, meta, last)  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            runner.forward(ids, pos, meta, last)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    return timed(draft_runner) / timed(engine.runner)
+@dataclass(frozen=True)
+class Costs:
+    draft: float  # one draft step / one target decode step (batch 1)
+    verify: dict[int, float]  # k -> target step over k + 1 tokens / over 1 token
 
 
-def measure(cfg: EvalConfig) -> tuple[list[EvalRow], float]:
+def _median_seconds(fn, repeats: int = 20) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _costs(engine, ks: list[int]) -> Costs:
+    from kernels.metadata import AttentionMetadata, token_positions
+
+    ctx, bs, dev = 64, engine.config.block_size, engine.device
+    table = list(range((ctx + max(ks) + bs) // bs + 1))
+
+    def target_step(n: int) -> float:
+        meta = AttentionMetadata.build([n], [ctx + n], [table], bs, dev)
+        pos = token_positions([n], [ctx + n]).to(dev)
+        ids = torch.full((n,), 42, device=dev)
+        last = torch.arange(n, device=dev)
+        return _median_seconds(lambda: engine.runner.forward(ids, pos, meta, last))
+
+    meta = AttentionMetadata.build([1], [ctx], [table], bs, dev)
+    ids, pos, last = (torch.tensor([v], device=dev) for v in (42, ctx - 1, 0))
+    spec = engine.speculator
+    if "eagle" in spec.proposers:
+        runner = spec.proposers["eagle"].runner
+        feat = torch.zeros((1, runner.head.config.hidden_size), device=dev,
+                           dtype=runner.head.fc.weight.dtype)
+
+        def draft() -> None:
+            out = runner.step(ids, feat, pos, meta)
+            with torch.inference_mode():
+                runner.head.logits(out)
+    else:
+        draft_runner = spec.draft.runner
+
+        def draft() -> None:
+            draft_runner.forward(ids, pos, meta, last)
+    one = target_step(1)
+    return Costs(_median_seconds(draft) / one, {k: target_step(k + 1) / one for k in ks})
+
+
+def _per_position(outs, k: int) -> tuple[float, ...]:
+    """P(first i drafts all accepted), i = 1..k, over verify steps: each step emits a run of
+    accepted drafts then the target's own token."""
+    runs: list[int] = []
+    for o in outs:
+        flags = o.new_from_draft[1:]  # the first token comes from the prefill
+        run = 0
+        for f in flags:
+            if f:
+                run += 1
+            else:
+                runs.append(run)
+                run = 0
+    if not runs:
+        return tuple(0.0 for _ in range(k))
+    return tuple(sum(r >= i for r in runs) / len(runs) for i in range(1, k + 1))
+
+
+def measure(cfg: EvalConfig, folder: str | None = None, method: str = "draft"
+            ) -> tuple[list[EvalRow], float]:
+    """Rows per (temperature, k) for the draft at ``folder`` (default ``cfg.draft``) used as
+    ``method`` (draft | eagle), and its draft cost relative to a target step."""
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
     from specserve.sampling_params import SamplingParams, SpeculativeParams
 
     engine = LLMEngine(EngineConfig(
-        model=cfg.target, draft_model=cfg.draft, dtype=cfg.dtype, adaptive_speculation=False,
-        num_threads=cfg.num_threads, kv_cache_memory=512 << 20,
+        model=cfg.target, draft_model=folder or cfg.draft, dtype=cfg.dtype,
+        adaptive_speculation=False, num_threads=cfg.num_threads, kv_cache_memory=512 << 20,
+        max_num_seqs=cfg.max_num_seqs or max(cfg.num_prompts, 1),
     ))
-    prompts = load_prompts(cfg.prompts, "heldout")[: cfg.num_prompts]
+    prompts = [p for p in load_prompts(cfg.prompts, "heldout")
+               if cfg.category is None or p.category == cfg.category][: cfg.num_prompts]
     chats = [engine.encode(engine.render_chat([{"role": "user", "content": p.prompt}]))
              for p in prompts]
+    costs = _costs(engine, cfg.ks)
     rows = []
     for temp in cfg.temperatures:
         params = [SamplingParams(max_tokens=cfg.max_tokens, temperature=temp, seed=i)
                   for i in range(len(chats))]
+
+        def timed(spec: SpeculativeParams, params: list = params) -> tuple[list, float]:
+            t0 = time.perf_counter()
+            outs = engine.generate(chats, params, spec)
+            return outs, time.perf_counter() - t0
+
+        _, plain = timed(SpeculativeParams(method="off"))
         for k in cfg.ks:
-            outs = engine.generate(chats, params, SpeculativeParams(method="draft", num_tokens=k))
+            outs, seconds = timed(SpeculativeParams(method=method, num_tokens=k))
             drafted = sum(o.timings.num_drafted for o in outs)
             accepted = sum(o.timings.num_accepted for o in outs)
             steps = sum(o.timings.num_verify_steps for o in outs)
+            tpv = (accepted + steps) / max(steps, 1)
             rows.append(EvalRow(
                 temperature=temp, k=k, acceptance=accepted / max(drafted, 1),
-                mean_accepted_length=(accepted + steps) / max(steps, 1),
-                tokens=sum(o.num_output_tokens for o in outs),
+                mean_accepted_length=tpv, tokens=sum(o.num_output_tokens for o in outs),
+                per_position=_per_position(outs, k),
+                predicted_speedup=tpv / (k * costs.draft + costs.verify[k]),
+                measured_speedup=plain / seconds,
             ))
-            print(f"temperature {temp} k {k}: acceptance {rows[-1].acceptance:.3f}, "
-                  f"mean accepted length {rows[-1].mean_accepted_length:.2f}", flush=True)
-    return rows, _cost_ratio(engine)
+            print(f"{method} temperature {temp} k {k}: acceptance {rows[-1].acceptance:.3f}, "
+                  f"tokens/verify {tpv:.2f}, speedup predicted "
+                  f"{rows[-1].predicted_speedup:.2f} measured {rows[-1].measured_speedup:.2f}",
+                  flush=True)
+    return rows, costs.draft
 
 
 def render(rows: list[EvalRow], cost: float, cfg: EvalConfig) -> str:
     temps = sorted({r.temperature for r in rows})
-    head = "| k | " + " | ".join(
-        f"T={t:g} acceptance | T={t:g} tokens/verify" for t in temps) + " |"
-    lines = [head, "|---|" + "---|" * (2 * len(temps))]
+    cols = ("acceptance per position", "tokens/verify", "predicted", "measured")
+    head = "| k | " + " | ".join(f"T={t:g} {c}" for t in temps for c in cols) + " |"
+    lines = [head, "|---|" + "---|" * (len(cols) * len(temps))]
     for k in sorted({r.k for r in rows}):
         cells = []
         for t in temps:
             r = next(r for r in rows if r.k == k and r.temperature == t)
-            cells += [f"{r.acceptance:.3f}", f"{r.mean_accepted_length:.2f}"]
+            cells += [" ".join(f"{a:.2f}" for a in r.per_position), f"{r.mean_accepted_length:.2f}",
+                      f"{r.predicted_speedup:.2f}x", f"{r.measured_speedup:.2f}x"]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    batch = cfg.max_num_seqs or cfg.num_prompts
     lines += [
         "",
-        f"{cfg.num_prompts} held-out prompts of {cfg.prompts.name}, {cfg.max_tokens} new tokens "
-        f"each, fixed k, dtype {cfg.dtype}. Draft decode step costs {cost:.3f}x a target step "
-        f"(batch 1).",
+        f"{cfg.num_prompts} held-out {cfg.category + ' ' if cfg.category else ''}prompts of "
+        f"{cfg.prompts.name}, {cfg.max_tokens} new tokens "
+        f"each, fixed k, dtype {cfg.dtype}, batch {batch}. Draft step costs {cost:.3f}x a "
+        f"target step (batch 1). Predicted: single stream, from tokens/verify and measured step "
+        f"costs; measured: wall time without / with speculation, same run and batch.",
     ]
     return "\n".join(lines)
 
 
 def run_eval(cfg: EvalConfig) -> str:
-    """Measures, writes the table into the draft's card (when the draft folder has one), and
-    returns the table."""
+    """Measures the draft and/or the EAGLE head, writes each table into its folder's card
+    (when it has one), and returns the tables."""
+    tables = []
+    for folder, method in ((cfg.draft, "draft"), (cfg.eagle, "eagle")):
+        if folder is None:
+            continue
+        rows, cost = measure(cfg, folder, method)
+        table = render(rows, cost, cfg)
+        _write_card(Path(folder), table, cost, method)
+        tables.append(table if len(tables) == 0 and cfg.eagle is None
+                      else f"### {method}: {folder}\n\n{table}")
+    return "\n\n".join(tables)
+
+
+def _write_card(folder: Path, table: str, cost: float, method: str) -> None:
     import json
 
     from distill.student import render_card
 
-    rows, cost = measure(cfg)
-    table = render(rows, cost, cfg)
-    card_file = Path(cfg.draft) / "card.json"
-    if card_file.is_file():
-        card = json.loads(card_file.read_text())
-        card["acceptance"] = table
-        card["draft_cost_vs_target"] = round(cost, 4)
-        card_file.write_text(json.dumps(card, indent=2) + "\n")
-        (Path(cfg.draft) / "README.md").write_text(render_card(card))
-    return table
+    card_file = folder / "card.json"
+    if not card_file.is_file():
+        return
+    card = json.loads(card_file.read_text())
+    card["acceptance"] = table
+    card["draft_cost_vs_target"] = round(cost, 4)
+    card_file.write_text(json.dumps(card, indent=2) + "\n")
+    text = render_card(card)
+    if method == "eagle":
+        text = text.replace("# Draft for", "# EAGLE head for", 1)
+    (folder / "README.md").write_text(text)

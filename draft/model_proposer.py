@@ -30,16 +30,15 @@ from typing import Any
 import torch
 
 from draft.base import (
-    DraftSampling,
     FinishedSequence,
     PrefillChunk,
     Proposal,
     ProposalRequest,
 )
+from draft.draft_sampler import GREEDY as _GREEDY
+from draft.draft_sampler import DraftSampler
 from kernels.metadata import AttentionMetadata, token_positions
 from target.model_runner import ModelRunner
-
-_GREEDY = DraftSampling(greedy=True)
 
 
 class DraftModelProposer:
@@ -56,17 +55,13 @@ class DraftModelProposer:
         self.runner = runner
         self.block_size = block_size
         self.probs_fn = probs_fn
-        # A distilled draft's reduced head scores only these token ids (None: the whole vocab).
-        ids = runner.model.head_token_ids
-        self.head_ids: torch.Tensor | None = None if ids is None else ids.cpu()
-        self.vocab_size = runner.model_config.vocab_size
         self.device = runner.device
-        self.generator = torch.Generator().manual_seed(seed + 0x5EED)
-        # Per-request draft RNGs for seeded requests, so their drafts are reproducible too.
-        self.seeded: dict[int, torch.Generator] = {}
+        # A distilled draft's reduced head scores only its head_token_ids (None: all tokens).
+        self.sampler = DraftSampler(runner.model.head_token_ids,
+                                    runner.model_config.vocab_size, probs_fn, seed)
 
     def finish(self, done: FinishedSequence) -> None:
-        self.seeded.pop(done.seq_id, None)
+        self.sampler.forget(done.seq_id)
 
     def clear(self, tenant: str | None = None) -> None:
         return None  # nothing learned across requests
@@ -136,12 +131,10 @@ class DraftModelProposer:
                 last.to(self.device),
             )  # [A, V]
             if greedy:
-                best = logits.argmax(dim=-1).cpu()
-                tokens = (best if self.head_ids is None else self.head_ids[best]).tolist()
+                tokens = self.sampler.greedy(logits)
             else:
-                tokens, q = self._sample(
-                    logits.cpu(), [samplings[i] for i in active], [requests[i].seq_id
-                                                                   for i in active]
+                tokens, q = self.sampler.sample(
+                    logits, [samplings[i] for i in active], [requests[i].seq_id for i in active]
                 )
             for j, i in enumerate(active):
                 drafts[i].append(tokens[j])
@@ -155,36 +148,3 @@ class DraftModelProposer:
         draft_probs = torch.stack(flat) if flat else None
         return Proposal(draft_token_ids=drafts, draft_probs=draft_probs, kv_computed=kv,
                         step_seconds=step_seconds)
-
-    def _sample(
-        self, logits: torch.Tensor, rows: list[DraftSampling], seq_ids: list[int]
-    ) -> tuple[list[int], torch.Tensor]:
-        """logits [A, V] (or [A, Vd] from a reduced head) -> one draft token per row and its
-        distribution q [A, V]. Tokens outside a reduced head get q = 0: the draft never proposes
-        them, and the rejection sampler's residual max(0, p - q) covers them exactly."""
-        if self.head_ids is not None:
-            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-            full[:, self.head_ids] = logits
-            logits = full
-        tokens = logits.argmax(dim=-1)
-        q = torch.zeros_like(logits)
-        q[torch.arange(len(rows)), tokens] = 1.0  # greedy rows: one-hot (never read)
-        sampled = [j for j, r in enumerate(rows) if not r.greedy]
-        if sampled:
-            if self.probs_fn is None:
-                raise ValueError("DraftModelProposer needs probs_fn to draft sampled requests")
-            idx = torch.tensor(sampled)
-            q_s = self.probs_fn(logits[idx], [rows[j].params for j in sampled])
-            q[idx] = q_s
-            for n, j in enumerate(sampled):
-                gen = self._generator_for(seq_ids[j], rows[j].seed)
-                tokens[j] = torch.multinomial(q_s[n], 1, generator=gen)[0]
-        return tokens.tolist(), q
-
-    def _generator_for(self, seq_id: int, seed: int | None) -> torch.Generator:
-        if seed is None:
-            return self.generator
-        gen = self.seeded.get(seq_id)
-        if gen is None:
-            gen = self.seeded[seq_id] = torch.Generator().manual_seed(seed + 1)
-        return gen

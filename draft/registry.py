@@ -26,6 +26,7 @@ class ProposerContext:
     prompt_lookup_max: int = 4
     suffix: Any = None  # draft.suffix.SuffixOptions
     draft_runner: Any = None  # target.model_runner.ModelRunner of the draft model, or None
+    eagle_runner: Any = None  # draft.eagle_head.EagleRunner of an EAGLE head, or None
     block_size: int = 16
     seed: int = 0
     # logits [N, V], opaque per-row params -> q [N, V] (the engine's sampling processing)
@@ -37,6 +38,7 @@ class ProposerSpec:
     name: str
     factory: Callable[[ProposerContext], Proposer]
     needs_draft_model: bool = False
+    needs_eagle_head: bool = False
     help: str = ""
 
 
@@ -74,11 +76,13 @@ class ProposerRegistry:
         return name
 
     def build_available(self, ctx: ProposerContext) -> dict[str, Proposer]:
-        """Every proposer this context can run (the draft-model ones only with a draft)."""
+        """Every proposer this context can run (the draft-model ones only with a draft, the
+        EAGLE one only with a head)."""
         return {
             name: spec.factory(ctx)
             for name, spec in self.specs.items()
-            if not spec.needs_draft_model or ctx.draft_runner is not None
+            if (not spec.needs_draft_model or ctx.draft_runner is not None)
+            and (not spec.needs_eagle_head or ctx.eagle_runner is not None)
         }
 
 
@@ -100,10 +104,19 @@ def _draft(ctx: ProposerContext) -> Proposer:
     return DraftModelProposer(ctx.draft_runner, ctx.block_size, ctx.probs_fn, ctx.seed)
 
 
+def _eagle(ctx: ProposerContext) -> Proposer:
+    from draft.eagle import EagleProposer
+
+    return EagleProposer(ctx.eagle_runner, ctx.probs_fn, ctx.seed)
+
+
 def default_registry() -> ProposerRegistry:
     reg = ProposerRegistry()
     reg.register(ProposerSpec("draft", _draft, needs_draft_model=True,
                               help="a small LM with the target's tokenizer"))
+    reg.register(ProposerSpec("eagle", _eagle, needs_eagle_head=True,
+                              help="a one-layer head on the target's hidden states "
+                                   "(--draft-model DIR from `specserve distill --method eagle`)"))
     reg.register(ProposerSpec("ngram", _ngram, help="prompt lookup in the request's own text"))
     reg.register(ProposerSpec("suffix", _suffix,
                               help="suffix decoding over the request and earlier outputs"))

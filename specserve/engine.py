@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
+from draft.eagle_head import EagleHead, EagleRunner, is_eagle_dir, load_head
 from kernels import quant_ext
 from kernels.metadata import AttentionMetadata, token_positions
 from kernels.registry import get_attention_backend
@@ -61,7 +62,13 @@ class LLMEngine:
         quantize_model(model, self.quantization, model_path)
         self.tokenizer = load_tokenizer(config.tokenizer or model_path)
         self.draft_config, draft_model = None, None
-        if config.draft_model is not None:
+        self.eagle_head = None
+        if is_eagle_dir(config.draft_model):
+            self.eagle_head = self._load_eagle_head(model)
+        elif config.speculative_method == "eagle":
+            raise ConfigError("speculative-method eagle needs --draft-model DIR, a head folder "
+                              "written by `specserve distill --method eagle`")
+        elif config.draft_model is not None:
             draft_path = resolve_model_path(config.draft_model)
             self.draft_config, draft_model = build_model(
                 draft_path, self.dtype, self.device, shared_embeddings=model.embed_tokens.weight
@@ -106,10 +113,17 @@ class LLMEngine:
             # One span per draft forward (each draft step) without touching the proposer.
             draft_model.register_forward_pre_hook(lambda *_: self.tracer.begin("draft_forward"))
             draft_model.register_forward_hook(lambda *_: self.tracer.end())
+        eagle_runner = None
+        if self.eagle_head is not None:
+            eagle_runner = EagleRunner(
+                self.eagle_head, num_blocks=config.num_kv_blocks, block_size=config.block_size,
+                dtype=self.dtype, device=self.device, backend=self.attn_backend,
+            )
         self.kernel_table = self._tune_kernels(model, draft_model)
         self.speculator = Speculator(
             config, draft_runner, self.generator,
             None if self.kernel_table is None else self.kernel_table.projection_seconds,
+            eagle_runner=eagle_runner,
         )
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -122,6 +136,18 @@ class LLMEngine:
         )
 
     # ---- set-up -------------------------------------------------------------------------
+
+    def _load_eagle_head(self, model: torch.nn.Module) -> EagleHead:
+        """An EAGLE head folder given as --draft-model: the method defaults to eagle (written
+        back into the config) and only eagle (or auto) can use it."""
+        cfg = self.config
+        if cfg.speculative_method is None:
+            cfg.speculative_method = "eagle"
+        elif cfg.speculative_method == "draft":
+            raise ConfigError(f"{cfg.draft_model} is an EAGLE head, not a draft model: use "
+                              f"--speculative-method eagle (or leave it unset)")
+        return load_head(cfg.draft_model, self.model_config, model.embed_tokens.weight,
+                         self.dtype, self.device)
 
     def _tune_kernels(self, model: torch.nn.Module, draft: torch.nn.Module | None
                       ) -> TuneTable | None:
@@ -154,6 +180,9 @@ class LLMEngine:
         per_block = ModelRunner.bytes_per_block(mc, cfg.block_size, self.dtype)
         if self.draft_config is not None:
             per_block += ModelRunner.bytes_per_block(self.draft_config, cfg.block_size, self.dtype)
+        if self.eagle_head is not None:
+            per_block += EagleRunner.bytes_per_block(self.eagle_head.config, cfg.block_size,
+                                                     self.dtype)
         if cfg.num_kv_blocks is None:
             budget = cfg.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
             if self.device.type == "cuda" and cfg.kv_cache_memory is None:
@@ -284,7 +313,10 @@ class LLMEngine:
         num_drafts = sum(len(d) for d in drafts.tokens.values())
         with tr.span("target_forward", only_decode=only_decode, drafts=num_drafts):
             input_ids, positions, meta, logits_idx, spans = self._prepare(batch, drafts.tokens)
-            logits, _ = self.runner.forward(input_ids, positions, meta, logits_idx)
+            capture = spec.feature_capture(batch, drafts.tokens, self.device)
+            logits, _ = self.runner.forward(input_ids, positions, meta, logits_idx,
+                                            capture=capture)
+            spec.store_features(capture)
         t_model = time.perf_counter()
         per_seq = {sid: logits[a:b] for sid, (a, b) in spans.items()}
         with tr.span("sample", drafts=num_drafts):  # rejection sampling of the drafts

@@ -33,8 +33,10 @@ from specserve.sampling import SampleRequest, sampling_probs
 from specserve.scheduler import ScheduledBatch, ScheduledSeq
 from specserve.sequence import Sequence
 from specserve.spec_policy import Candidate, SpeculationPolicy, expected_tokens
+from target.model import FeatureCapture
 
 _AUTO_CHEAP = "suffix"  # auto's model-free candidate (suffix decoding subsumes prompt lookup)
+_EAGLE = "eagle"  # the proposer that reads the target's hidden states
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Speculator:
         self, config: EngineConfig, draft_runner, generator: torch.Generator,
         projection_seconds: Callable[[int], float | None] | None = None,  # see SpeculationPolicy
         registry: ProposerRegistry = REGISTRY,
+        eagle_runner=None,  # draft.eagle_head.EagleRunner when an EAGLE head is loaded
     ) -> None:
         self.config = config
         self.registry = registry
@@ -60,7 +63,8 @@ class Speculator:
             suffix=SuffixOptions(max_depth=config.suffix_max_depth,
                                  cache_tokens=config.suffix_cache_tokens,
                                  scope=config.suffix_cache_scope),
-            draft_runner=draft_runner, block_size=config.block_size, seed=config.seed,
+            draft_runner=draft_runner, eagle_runner=eagle_runner,
+            block_size=config.block_size, seed=config.seed,
             probs_fn=sampling_probs,
         )
         self.proposers: dict[str, Proposer] = registry.build_available(ctx)
@@ -76,11 +80,46 @@ class Speculator:
         # k = 0) is caught up in chunks, never in one unbounded forward.
         self._draft_budget = config.max_num_batched_tokens
         self._catch_up: set[int] = set()  # decoding seq ids whose draft lags past the budget
+        self._feature_spans: list[tuple[int, int, int]] = []  # (seq id, first position, rows)
 
     @property
     def draft(self) -> Proposer | None:
         """The draft-model proposer, when a draft model is loaded."""
         return self.proposers.get("draft")
+
+    def feature_capture(self, batch: ScheduledBatch, drafts: dict[int, list[int]],
+                        device: torch.device) -> FeatureCapture | None:
+        """What the target's forward must return for the EAGLE head: the chosen layers' hidden
+        states at every token fed this step for sequences that may use the head (their rows in
+        the flattened batch, laid out as ``LLMEngine._prepare`` lays them). None without a
+        head, or when no such sequence runs."""
+        eagle = self.proposers.get(_EAGLE)
+        if eagle is None:
+            return None
+        rows: list[int] = []
+        self._feature_spans = []
+        offset = 0
+        for s in batch.scheduled:
+            fed = s.num_new_tokens + len(drafts.get(s.seq.seq_id, []))
+            if s.seq.spec_method in (_EAGLE, AUTO):
+                self._feature_spans.append((s.seq.seq_id, s.seq.num_computed_tokens, fed))
+                rows.extend(range(offset, offset + fed))
+            offset += fed
+        if not rows:
+            return None
+        layers = eagle.target_layers  # type: ignore[attr-defined]
+        return FeatureCapture(layers, torch.tensor(rows, dtype=torch.int64, device=device))
+
+    def store_features(self, capture: FeatureCapture | None) -> None:
+        """Hands each sequence's rows of ``capture.out`` to the EAGLE proposer (positions from
+        the sequence's first fed token; rows of drafts it later rejects are never read)."""
+        if capture is None or capture.out is None:
+            return
+        eagle = self.proposers[_EAGLE]
+        at = 0
+        for seq_id, start, fed in self._feature_spans:
+            eagle.add_features(seq_id, start, capture.out[at : at + fed])  # type: ignore
+            at += fed
 
     def available(self, method: str) -> bool:
         return method in (OFF, AUTO) or method in self.proposers

@@ -12,6 +12,7 @@ model dtype), so float32 logits agree with ``AutoModelForCausalLM`` to ~1e-5.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,17 @@ from specserve.errors import ModelLoadError
 from target.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, KVH, D]
+
+
+@dataclass
+class FeatureCapture:
+    """Asks ``CausalLM.forward`` for hidden states (an EAGLE head's input): the output of each
+    layer in ``layers`` at the flat rows ``rows``, concatenated into ``out``
+    [len(rows), len(layers) * hidden]. Only built while an EAGLE head is loaded."""
+
+    layers: tuple[int, ...]
+    rows: torch.Tensor  # [R] int64 rows of the flattened batch
+    out: torch.Tensor | None = None
 # The fused float32 CPU ops of kernels/csrc/fused.cpp (kernels.quant_ext.load()), or None.
 FusedOps = Any
 
@@ -255,10 +267,12 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         attn_backend: AttentionBackend,
         logits_indices: torch.Tensor | None = None,  # [N] rows of T to score; None: all
+        capture: FeatureCapture | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits [N, vocab] float32, final-norm hidden states [N, hidden]) for the rows
         in ``logits_indices``. The lm_head only runs on those rows. Writes every token's K/V into
-        ``kv_caches`` at ``meta.slot_mapping``."""
+        ``kv_caches`` at ``meta.slot_mapping``. With ``capture``, also fills ``capture.out``
+        (the layers then run one call each, not as one C++ stack, to expose their outputs)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} kv caches, got {len(kv_caches)}")
         if self.rotary.inv_freq.device != positions.device:
@@ -266,7 +280,7 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # once per step, for all layers
         rope = (cos[:, 0].contiguous(), sin[:, 0].contiguous())  # [T, D] each
-        stack = self._decoder_stack(attn_backend, meta)
+        stack = None if capture is not None else self._decoder_stack(attn_backend, meta)
         if stack is not None:  # every layer in one C++ call (kernels/csrc/stack.cpp)
             run, projections, plan = stack
             rows = h.shape[0]
@@ -277,8 +291,13 @@ class CausalLM(nn.Module):
                 self._kv_flat[1], meta.block_tables, plan.seq_of, plan.pos_of, meta.slot_mapping,
             )
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
+            picked: dict[int, torch.Tensor] = {}
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 h = layer(positions, h, kv_cache, meta, attn_backend, rope)
+                if capture is not None and i in capture.layers:
+                    picked[i] = h[capture.rows]  # a copy: fused layers update h in place
+            if capture is not None:
+                capture.out = torch.cat([picked[i] for i in capture.layers], dim=-1)
         if logits_indices is not None:
             h = h[logits_indices]  # [N, hidden]
         h = self.norm(h)  # [N, hidden]; RMSNorm is per row, so selecting first is exact

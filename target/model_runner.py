@@ -12,7 +12,7 @@ import torch
 from kernels.metadata import AttentionMetadata
 from kernels.registry import AttentionBackend, get_attention_backend
 from target.config import ModelConfig
-from target.model import CausalLM, KVCache
+from target.model import CausalLM, FeatureCapture, KVCache
 
 
 class ModelRunner:
@@ -72,9 +72,12 @@ class ModelRunner:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,  # [N]; None: every token
         return_hidden: bool = False,
+        capture: FeatureCapture | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One model step. Returns (logits [N, vocab] float32, final hidden [N, hidden] when
-        ``return_hidden`` else None). Writes the K/V of all T tokens at ``meta.slot_mapping``."""
+        ``return_hidden`` else None). Writes the K/V of all T tokens at ``meta.slot_mapping``.
+        ``capture``: also collect hidden states of some layers and rows (an EAGLE head's
+        input), see ``target.model.FeatureCapture``."""
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
@@ -88,5 +91,6 @@ class ModelRunner:
                 meta,
                 self.attn_backend,
                 None if logits_indices is None else logits_indices.to(self.device),
+                capture,
             )
         return logits, hidden if return_hidden else None
