@@ -67,7 +67,7 @@ class Batch:
     def rows(self, j: int) -> torch.Tensor:
         """bool [B, L]: positions p scored at TTT step j: the chain starts at p - j inside the
         response (p - j >= prompt_len - 1) and p has a next token."""
-        pos = torch.arange(self.input_ids.shape[1])[None, :]
+        pos = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)[None, :]
         return (pos - j >= self.prompt_lens[:, None] - 1) & (pos + 1 < self.lengths[:, None])
 
     def to(self, device: torch.device) -> Batch:
