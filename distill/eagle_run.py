@@ -84,7 +84,8 @@ def run_eagle(cfg: EagleConfig) -> Path:
     layers = cfg.target_layers or default_target_layers(hf_config.num_hidden_layers)
     checkpoint = cfg.out / "eagle_checkpoint.pt"
     if checkpoint.exists():  # the vocabulary the run started with, even if the data grew since
-        head_ids = torch.load(checkpoint, weights_only=False)["head"]["head_token_ids"].cpu()
+        saved = torch.load(checkpoint, weights_only=False, map_location="cpu")
+        head_ids = saved["head"]["head_token_ids"]
     else:
         responses = [t[p:] for t, p in zip(train_data.tokens, train_data.prompt_lens)]
         top = [t for t in train_data.top_ids if len(t)]

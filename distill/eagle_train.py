@@ -67,7 +67,7 @@ class Batch:
     def rows(self, j: int) -> torch.Tensor:
         """bool [B, L]: positions p scored at TTT step j: the chain starts at p - j inside the
         response (p - j >= prompt_len - 1) and p has a next token."""
-        pos = torch.arange(self.input_ids.shape[1])[None, :]
+        pos = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)[None, :]
         return (pos - j >= self.prompt_lens[:, None] - 1) & (pos + 1 < self.lengths[:, None])
 
     def to(self, device: torch.device) -> Batch:
@@ -204,9 +204,11 @@ def shift_left(x: torch.Tensor, by: int) -> torch.Tensor:
 
 
 def lr_at(step: int, cfg: EagleTrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    """Linear warm-up (at most a tenth of the run), then cosine decay to lr * min_lr_ratio."""
+    warmup = max(1, min(cfg.warmup_steps, cfg.steps // 10))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, cfg.steps - warmup)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
