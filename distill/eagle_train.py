@@ -172,7 +172,7 @@ def batch_loss(
             log_q = torch.log_softmax(head.logits(out), dim=-1)  # [N, Vd]
             p = target_lp[r].exp()
             losses.append(cfg.step_decay**j * -(p * log_q).sum(-1).mean())
-            hits.append(head.head_token_ids[log_q.argmax(-1)] == nxt[r])
+            hits.append(head.head_token_ids.to(log_q.device)[log_q.argmax(-1)] == nxt[r])
     loss = torch.stack(losses).sum() if losses else torch.zeros((), requires_grad=train)
     return loss, hits, rows
 
