@@ -5,7 +5,9 @@ Ray-free; ``ray_router.PrefixAffinityRouter`` consumes the key."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -15,6 +17,7 @@ from specserve.tokenizer import apply_chat_template
 # A token is at most this many characters in the vocabularies we serve (byte-level BPE merges
 # are short); cutting the text there tokenizes only what the key needs.
 _MAX_CHARS_PER_TOKEN = 32
+R = TypeVar("R", bound=Hashable)  # a replica's id
 
 
 def prefix_hashes(token_ids: list[int], block_size: int, max_blocks: int) -> tuple[int, ...]:
@@ -61,3 +64,47 @@ class PrefixKeyer:
         if len(text) > cut:
             ids = ids[:-1]  # the token at the cut may differ from the full text's
         return ids[:need]
+
+
+class AffinityTable:
+    """Prefix hash -> replicas that were sent that prefix (LRU-bounded), and the choice rule:
+    the least-loaded live owner of the deepest known block hash, unless it has more than
+    ``imbalance`` requests in flight beyond the least-loaded replica overall; then the
+    least-loaded replica, which becomes an owner too (a hot prefix spreads, it does not pile
+    up). Ray-free: ``ray_router.PrefixAffinityRouter`` supplies the replicas and their load."""
+
+    def __init__(self, imbalance: int, max_entries: int = 1 << 16) -> None:
+        self.imbalance, self.max_entries = imbalance, max_entries
+        self.owners: OrderedDict[int, list[Hashable]] = OrderedDict()  # oldest used first
+
+    def choose(self, hashes: tuple[int, ...], live: list[R], load: Callable[[R], int]) -> R:
+        """``live``: candidate replica ids (not empty)."""
+        least = min(live, key=load)
+        preferred = self._preferred(hashes, live, load)
+        chosen = (least if preferred is None or load(preferred) - load(least) > self.imbalance
+                  else preferred)
+        for h in hashes:
+            owners = self.owners.pop(h, None) or []
+            if chosen not in owners:
+                owners.append(chosen)
+            self.owners[h] = owners
+        while len(self.owners) > self.max_entries:
+            self.owners.popitem(last=False)
+        return chosen
+
+    def forget(self, replica: Hashable) -> None:
+        """A dead replica's cache is gone: it owns nothing any more."""
+        for h, owners in list(self.owners.items()):
+            if replica in owners:
+                owners.remove(replica)
+                if not owners:
+                    del self.owners[h]
+
+    def _preferred(self, hashes: tuple[int, ...], live: list[R],
+                   load: Callable[[R], int]) -> R | None:
+        alive = set(live)
+        for h in reversed(hashes):  # the deepest block first
+            owners = [o for o in self.owners.get(h, ()) if o in alive]
+            if owners:
+                return min(owners, key=load)  # type: ignore[arg-type]
+        return None

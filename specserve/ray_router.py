@@ -7,10 +7,9 @@ prompt, a few-shot header, an agent's growing transcript) should land where that
 
 How: the ingress tokenizes the prompt and sends the chained hashes of its first full KV blocks
 (``prefix_key.prefix_hashes``: the engine prefix cache's block boundaries) as the ``prefix``
-keyword of the call. The router keeps hash -> replicas that were sent that prefix. A request
-goes to the least-loaded owner of its deepest known block hash, unless that owner has more than
-``imbalance`` requests in flight beyond the least-loaded replica overall: then it goes to the
-least-loaded one, which becomes an owner too (a hot prefix spreads instead of piling up). A
+keyword of the call. ``prefix_key.AffinityTable`` keeps hash -> replicas sent that prefix and
+picks: the least-loaded owner of the deepest known block, unless it is more than ``imbalance``
+requests busier than the least-loaded replica (then that one, which becomes an owner too); a
 request with no known prefix goes to the least-loaded replica. Load is this router's own count
 of requests sent and not completed per replica (exact for one ingress; with several ingress
 replicas each counts its own).
@@ -21,8 +20,6 @@ how the ingress reads each replica's own counters (``/replicas``, ``/metrics``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from ray.serve.request_router import (
     PendingRequest,
     ReplicaID,
@@ -30,15 +27,14 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from specserve.prefix_key import AffinityTable
+
 
 class PrefixAffinityRouter(RequestRouter):
     """See the module docstring. ``initialize_state`` receives ``request_router_kwargs``."""
 
     def initialize_state(self, imbalance: int = 4, table_size: int = 1 << 16) -> None:
-        self._imbalance = imbalance
-        self._table_size = table_size
-        # prefix hash -> replicas sent that prefix, oldest-used first (LRU bound)
-        self._owners: OrderedDict[int, list[ReplicaID]] = OrderedDict()
+        self._table = AffinityTable(imbalance, table_size)
         self._in_flight: dict[ReplicaID, int] = {}
 
     # ---- load bookkeeping (Ray calls these on the router's loop) ------------------------
@@ -56,13 +52,9 @@ class PrefixAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._in_flight.pop(replica_id, None)
-        for h, owners in list(self._owners.items()):
-            if replica_id in owners:
-                owners.remove(replica_id)
-                if not owners:
-                    del self._owners[h]
+        self._table.forget(replica_id)
 
-    def load(self, replica_id: ReplicaID) -> int:
+    def _load(self, replica_id: ReplicaID) -> int:
         return self._in_flight.get(replica_id, 0)
 
     # ---- the choice ---------------------------------------------------------------------
@@ -78,34 +70,9 @@ class PrefixAffinityRouter(RequestRouter):
         if rank is not None:  # pinned: the i-th live replica in id order
             ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
             return [[ordered[rank]]] if rank < len(ordered) else []
-        by_load = sorted(candidate_replicas, key=lambda r: self.load(r.replica_id))
-        least = by_load[0]
-        hashes: tuple[int, ...] = kwargs.get("prefix") or ()
-        preferred = self._preferred(hashes, candidate_replicas)
-        if preferred is None or (
-                self.load(preferred.replica_id) - self.load(least.replica_id) > self._imbalance):
-            chosen = least
-        else:
-            chosen = preferred
-        self._remember(hashes, chosen.replica_id)
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        chosen = by_id[self._table.choose(kwargs.get("prefix") or (), list(by_id), self._load)]
+        rest = sorted((r for r in candidate_replicas if r is not chosen),
+                      key=lambda r: self._load(r.replica_id))
         # The first rank is the choice; the rest, least loaded first, only if it refuses.
-        return [[chosen], [r for r in by_load if r is not chosen]]
-
-    def _preferred(self, hashes: tuple[int, ...],
-                   candidates: list[RunningReplica]) -> RunningReplica | None:
-        """The least-loaded live owner of the deepest known prefix block."""
-        live = {r.replica_id: r for r in candidates}
-        for h in reversed(hashes):
-            owners = [live[o] for o in self._owners.get(h, ()) if o in live]
-            if owners:
-                return min(owners, key=lambda r: self.load(r.replica_id))
-        return None
-
-    def _remember(self, hashes: tuple[int, ...], replica_id: ReplicaID) -> None:
-        for h in hashes:
-            owners = self._owners.pop(h, None) or []
-            if replica_id not in owners:
-                owners.append(replica_id)
-            self._owners[h] = owners  # most recently used last
-        while len(self._owners) > self._table_size:
-            self._owners.popitem(last=False)
+        return [[chosen], rest]
