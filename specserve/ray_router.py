@@ -14,8 +14,9 @@ request with no known prefix goes to the least-loaded replica. Load is this rout
 of requests sent and not completed per replica (exact for one ingress; with several ingress
 replicas each counts its own).
 
-A call with keyword ``rank=i`` is pinned to the i-th live replica in replica-id order: that is
-how the ingress reads each replica's own counters (``/replicas``, ``/metrics``).
+A call with keyword ``rank=i`` is pinned to the i-th live replica in replica-id order (modulo
+their number): that is how the ingress reads each replica's own counters (``/replicas``,
+``/metrics``); the ingress drops the duplicates while a replica is down.
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ class PrefixAffinityRouter(RequestRouter):
             return []
         kwargs = pending_request.kwargs if pending_request is not None else {}
         rank = kwargs.get("rank")
-        if rank is not None:  # pinned: the i-th live replica in id order
+        if rank is not None:  # pinned: the i-th live replica in id order, wrapping around
+            # (never an empty answer: Ray would retry it in backoff until the caller gives up)
             ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-            return [[ordered[rank]]] if rank < len(ordered) else []
+            return [[ordered[rank % len(ordered)]]]
         by_id = {r.replica_id: r for r in candidate_replicas}
         chosen = by_id[self._table.choose(kwargs.get("prefix") or (), list(by_id), self._load)]
         rest = sorted((r for r in candidate_replicas if r is not chosen),

@@ -252,9 +252,10 @@ class Ingress:
 
     async def replica_stats(self) -> list[ReplicaStats]:
         """Every live replica's counters, one pinned call per rank (a rank past the live
-        replicas, or a replica dying meanwhile, is skipped). The calls go one at a time: Ray
-        pairs a routed replica with its request by the request id, which concurrent sub-calls
-        of one ingress request share, so concurrent ones could be paired crosswise."""
+        replicas wraps around and is deduplicated; a replica dying meanwhile is skipped). The
+        calls go one at a time: Ray pairs a routed replica with its request by the request id,
+        which concurrent sub-calls of one ingress request share, so concurrent ones could be
+        paired crosswise."""
         seen: dict[str, ReplicaStats] = {}
         for rank in range(self.scale.replicas):
             try:
