@@ -188,8 +188,8 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
         f"({args.prompts * args.per_prompt} streaming requests, shuffled, seed {args.seed}), "
         f"{args.concurrency} concurrent clients, {args.max_tokens} new tokens each, model "
         f"{args.model or 'built-in SmolLM2-135M-Instruct'}, speculation off, 1 CPU per replica "
-        f"on a local Ray cluster. Machine: {cpu}, 2 cores shared with other jobs while it ran, "
-        f"so TTFT is noisy; the hit rates are the point. Commit {commit}.",
+        f"on a local Ray cluster. Machine: {cpu}, 2 cores, shared with other jobs while it "
+        f"ran, so TTFT is noisy; the hit rates are the point. Commit {commit}.",
         "",
         f"Command: `{cmd}`",
         "",
@@ -199,7 +199,8 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['replicas']} | {r['router']} | {r['hit_rate'] * 100:.1f}% | "
+            f"| {r['replicas']} | {r['router'] if r['replicas'] > 1 else '(one replica)'} | "
+            f"{r['hit_rate'] * 100:.1f}% | "
             f"{(r['hit_rate'] - single) * 100:+.1f} pts | "
             f"{' / '.join(str(q) for q in r['per_replica_query_tokens'])} | "
             f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['ok']}/{r['n']} |")
