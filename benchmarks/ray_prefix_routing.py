@@ -148,7 +148,7 @@ def main() -> None:
               for p in range(args.prompts) for q in range(args.per_prompt)]
     random.Random(args.seed).shuffle(bodies)
     engine = EngineConfig(model=args.model, speculative_method="off", draft_model="none",
-                          num_kv_blocks=args.num_kv_blocks)
+                          num_kv_blocks=args.num_kv_blocks, max_model_len=1024)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -43,6 +43,7 @@ from specserve import protocol as P
 from specserve.api import ApiError, Server
 from specserve.async_engine import AsyncEngine, EngineStats
 from specserve.config import EngineConfig
+from specserve.errors import SpecServeError
 from specserve.metrics import CONTENT_TYPE, gateway_gauges
 from specserve.prefix_key import PrefixKeyer
 from specserve.ray_router import PrefixAffinityRouter
@@ -95,49 +96,47 @@ class EngineReplica:
         """A ``Head``, then the answer's bytes. ``prefix`` is the routing key (read by the
         router, not here)."""
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        reply, started = None, False
         try:
             reply = await open_reply(self.server, kind, body, tenant)
-        except Exception as exc:
-            status, err = error_body(exc)
-            self.server.metrics.observe_request(endpoint, status)
-            yield Head(status, False, self.replica_id)
-            yield err
-            return
-        try:
-            if not reply.job.stream:
-                try:
-                    doc = await reply.json()
-                except Exception as exc:
-                    status, err = error_body(exc)
-                    self.server.metrics.observe_request(endpoint, status)
-                    yield Head(status, False, self.replica_id)
-                    yield err
-                    return
-                self.server.metrics.observe_request(endpoint, 200)
+            if reply.job.stream:
+                started = True
+                yield Head(200, True, self.replica_id)
+                async with aclosing(reply.sse()) as frames:
+                    async for frame in frames:
+                        yield frame
+            else:
+                doc = await reply.json()
                 yield Head(200, False, self.replica_id)
                 yield doc
-                return
-            yield Head(200, True, self.replica_id)
-            async with aclosing(reply.sse()) as frames:
-                async for frame in frames:
-                    yield frame
-            self.server.metrics.observe_request(endpoint, 200)
+            status = 200
+        except Exception as exc:
+            if started:  # mid-stream: the ingress ends the stream with an SSE error event
+                self.server.metrics.observe_request(endpoint, 500)
+                raise
+            status, err = error_body(exc)
+            yield Head(status, False, self.replica_id)
+            yield err
         finally:
-            reply.close()
+            if reply is not None:
+                reply.close()
+        self.server.metrics.observe_request(endpoint, status)
 
     def stats(self, rank: int | None = None) -> ReplicaStats:
         """This replica's counters (``rank`` pins the call; read by the router)."""
         return ReplicaStats(self.replica_id, self.engine.state, self.engine.num_unfinished,
                             self.engine.max_model_len, self.engine.stats)
 
-    def metrics_text(self, rank: int | None = None) -> bytes:
-        """This replica's own Prometheus text (the single-process server's /metrics)."""
-        return self.server.metrics.render()
-
     def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes it restart the replica."""
         if self.engine.error is not None:
             raise RuntimeError(f"engine thread died: {self.engine.error!r}")
+
+    async def __del__(self) -> None:
+        """Ray Serve calls this when it stops the replica (after draining its requests)."""
+        engine = getattr(self, "engine", None)  # absent if the constructor failed
+        if engine is not None:
+            await engine.shutdown()
 
 
 class _ReplicaCollector(Collector):
@@ -361,14 +360,22 @@ def start(engine_config: EngineConfig, server_config: ServerConfig, scale: Scale
     """Connects to (``scale.ray_address``) or starts a local Ray cluster, starts Serve's HTTP
     proxy on --host/--port and deploys the app; returns once every replica is ready."""
     if not ray.is_initialized():
+        env = source_runtime_env()
         if scale.ray_address:
-            ray.init(address=scale.ray_address, runtime_env=source_runtime_env())
+            ray.init(address=scale.ray_address, runtime_env=env)
         else:
-            ray.init(runtime_env=source_runtime_env(), include_dashboard=False,
-                     object_store_memory=object_store_memory)
+            try:  # a cluster already running on this machine (`ray start --head`)
+                ray.init(address="auto", runtime_env=env)
+            except ConnectionError:  # none: start one, without the dashboard
+                ray.init(runtime_env=env, include_dashboard=False,
+                         object_store_memory=object_store_memory)
     serve.start(http_options={"host": server_config.host, "port": server_config.port})
-    serve.run(build_app(engine_config, server_config, scale, model), name=APP_NAME,
-              route_prefix="/")
+    try:
+        serve.run(build_app(engine_config, server_config, scale, model), name=APP_NAME,
+                  route_prefix="/")
+    except RuntimeError as exc:  # Ray gave up on the replicas (their constructor raised)
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+        raise SpecServeError(f"the replicas failed to start: {last}") from exc
 
 
 def run(engine_config: EngineConfig, server_config: ServerConfig, scale: ScaleConfig,
