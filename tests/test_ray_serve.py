@@ -267,3 +267,12 @@ def test_replica_killed_mid_run_loses_no_request(cluster):
         time.sleep(1)
     else:
         pytest.fail(f"the killed replica was not replaced: {replicas(cluster.url)}")
+
+
+def test_ray_front_end_reuses_the_transport_neutral_modules():
+    """ray_serve.py answers through api.py / replies.py, never through the aiohttp module."""
+    from tests.test_module_boundaries import PKG, imported_modules
+
+    for name in ("replies.py", "ray_serve.py", "ray_router.py", "prefix_key.py"):
+        assert "specserve.server" not in imported_modules(PKG / name), name
+    assert {"specserve.api", "specserve.replies"} <= imported_modules(PKG / "ray_serve.py")
