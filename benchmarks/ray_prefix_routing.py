@@ -135,6 +135,8 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = ap.parse_args()
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip()  # the code that runs
     import ray
 
     from specserve import ray_serve
@@ -166,16 +168,14 @@ def main() -> None:
         rows.append(row)
     serve.shutdown()
     ray.shutdown()
-    table = render(rows, args)
+    table = render(rows, args, commit)
     print(table)
     if args.write:
         with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
             f.write("\n" + table)
 
 
-def render(rows: list[dict], args: argparse.Namespace) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=ROOT).stdout.strip()
+def render(rows: list[dict], args: argparse.Namespace, commit: str) -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True).stdout.splitlines()
         if line.startswith("Model name")), "unknown")
