@@ -276,3 +276,18 @@ def test_ray_front_end_reuses_the_transport_neutral_modules():
     for name in ("replies.py", "ray_serve.py", "ray_router.py", "prefix_key.py"):
         assert "specserve.server" not in imported_modules(PKG / name), name
     assert {"specserve.api", "specserve.replies"} <= imported_modules(PKG / "ray_serve.py")
+
+
+def test_scale_flags_map_onto_scale_config(capsys):
+    from specserve.cli import build_parser, main, scale_config_from_args
+
+    args = build_parser().parse_args(
+        ["serve", "--replicas", "3", "--replica-cpus", "2", "--replica-gpus", "1",
+         "--request-router", "pow2", "--prefix-routing-blocks", "2",
+         "--prefix-routing-imbalance", "7", "--ray-address", "auto"])
+    assert scale_config_from_args(args) == ScaleConfig(
+        replicas=3, replica_cpus=2, replica_gpus=1, request_router="pow2",
+        prefix_routing_blocks=2, prefix_routing_imbalance=7, ray_address="auto")
+    assert ScaleConfig().uses_ray is False and ScaleConfig(replicas=2).uses_ray
+    assert main(["serve", "--replicas", "0"]) == 2  # a message, not a traceback
+    assert "replicas must be >= 1" in capsys.readouterr().err
