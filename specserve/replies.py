@@ -1,6 +1,6 @@
 """The body of a completions / chat answer, whatever carries it: one JSON document, or SSE frames
 ending with ``data: [DONE]``. Transport-neutral (bytes out), so the aiohttp server (server.py)
-and the Ray Serve replicas (ray_serve.py) answer byte for byte alike.
+and the Ray Serve replicas (ray_serve.py) write the same bodies.
 
 Errors before the first byte (bad body, queue full, not ready) are raised by ``open_reply`` and
 mapped by the caller with ``api.error_of``; errors after the SSE stream has begun (the engine
