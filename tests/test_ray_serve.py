@@ -195,7 +195,7 @@ def test_replica_killed_mid_run_loses_no_request(cluster):
     error event then [DONE]); the others complete; new requests go to the survivor; Ray
     restarts the replica."""
     before = replicas(cluster.url)
-    n_tokens = 120
+    n_tokens = 200  # long enough that the victim is still streaming when it is killed
     bodies = [{"prompt": f"Request number {i} says", "max_tokens": n_tokens, "temperature": 0,
                "ignore_eos": True} for i in range(8)]
     victim: dict[str, str] = {}
@@ -249,6 +249,7 @@ def test_replica_killed_mid_run_loses_no_request(cluster):
                 assert status == 503 and resp["error"]["code"] == "replica_failed", resp
                 errored += 1
     assert completed + errored == len(bodies) and errored >= 1
+    print(f"killed {victim['id']}: {completed} completed, {errored} ended with an error")
     # the run goes on: new requests are answered by the survivor
     survivor = next(r for r in before if r != victim["id"])
     for i in range(3):
