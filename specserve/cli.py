@@ -144,7 +144,50 @@ def add_serve_parser(sub) -> None:
                        help="run real short requests before /health reports ready "
                             f"[default: {d.warmup}]")
     srv.add_argument("-v", "--verbose", action="store_true", help="log engine set-up")
+    add_scale_args(srv)
     add_engine_args(srv)
+
+
+def add_scale_args(srv: argparse.ArgumentParser) -> None:
+    """Replicas on Ray Serve (the `ray` extra); see specserve/ray_serve.py."""
+    from specserve.scale_config import ROUTERS, ScaleConfig
+
+    d = ScaleConfig()
+    group = srv.add_argument_group("scale-out (Ray Serve; needs `pip install specserve[ray]`)")
+    group.add_argument("--replicas", type=int, default=d.replicas,
+                       help="engine replicas, each with its own KV / prefix / suffix cache; "
+                            "above 1 they run on Ray Serve behind one ingress on --host/--port "
+                            f"[default: {d.replicas}]")
+    group.add_argument("--ray-address", default=d.ray_address,
+                       help="join this Ray cluster (e.g. ray://head:10001 or auto) [default: "
+                            "start a local one]; implies Ray Serve even with --replicas 1")
+    group.add_argument("--replica-cpus", type=float, default=d.replica_cpus,
+                       help="CPUs Ray reserves per replica; also its torch threads unless "
+                            f"--num-threads is set [default: {d.replica_cpus}]")
+    group.add_argument("--replica-gpus", type=float, default=d.replica_gpus,
+                       help=f"GPUs per replica (1 = a whole GPU each) [default: {d.replica_gpus}]")
+    group.add_argument("--request-router", default=d.request_router, choices=ROUTERS,
+                       help="prefix: requests sharing their first KV blocks go to the same "
+                            "replica (its prefix cache holds them); pow2: Ray's default "
+                            f"power-of-two-choices [default: {d.request_router}]")
+    group.add_argument("--prefix-routing-blocks", type=int, default=d.prefix_routing_blocks,
+                       help="leading KV blocks (of --block-size tokens) hashed for affinity "
+                            f"[default: {d.prefix_routing_blocks}]")
+    group.add_argument("--prefix-routing-imbalance", type=int,
+                       default=d.prefix_routing_imbalance,
+                       help="in-flight requests the preferred replica may have beyond the "
+                            "least-loaded one before a request goes to the least-loaded one "
+                            f"[default: {d.prefix_routing_imbalance}]")
+
+
+def scale_config_from_args(args: argparse.Namespace):
+    from specserve.scale_config import ScaleConfig
+
+    return ScaleConfig(
+        replicas=args.replicas, ray_address=args.ray_address, replica_cpus=args.replica_cpus,
+        replica_gpus=args.replica_gpus, request_router=args.request_router,
+        prefix_routing_blocks=args.prefix_routing_blocks,
+        prefix_routing_imbalance=args.prefix_routing_imbalance)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -197,6 +240,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
     )
     engine_config = engine_config_from_args(args)
+    scale = scale_config_from_args(args)
+    if scale.uses_ray:
+        try:
+            from specserve import ray_serve
+        except ImportError as exc:
+            raise SpecServeError(f"--replicas / --ray-address need Ray Serve ({exc}): "
+                                 "pip install 'specserve[ray]'") from exc
+        configure_logging()
+        return ray_serve.run(engine_config, config, scale, args.model)
     try:
         import uvloop
 

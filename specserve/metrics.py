@@ -58,6 +58,23 @@ class _EngineCollector(Collector):
         rate = s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0
         yield GaugeMetricFamily("specserve_prefix_cache_hit_rate",
                                 "Prefix-cache hits / queries, in tokens, since start", rate)
+        yield from gateway_gauges(s)
+
+
+def gateway_gauges(s: EngineStats) -> Iterator[Metric]:
+    """The gauges the Kubernetes Gateway API Inference Extension's endpoint picker scrapes
+    (its model-server protocol), under the names it reads from vLLM-compatible servers, so a
+    gateway routes to specserve pods without a custom adapter. Same numbers as ours above."""
+    used = (s.kv_blocks_total - s.kv_blocks_free) / s.kv_blocks_total if s.kv_blocks_total else 0.0
+    yield GaugeMetricFamily("vllm:num_requests_waiting",
+                            "Requests waiting to be scheduled (TotalQueuedRequests)",
+                            s.num_waiting)
+    yield GaugeMetricFamily("vllm:num_requests_running",
+                            "Requests in the running batch (TotalRunningRequests)", s.num_running)
+    # Both names: older gateways read gpu_cache_usage_perc, newer vLLM calls it kv_cache_...
+    for name in ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"):
+        yield GaugeMetricFamily(name, "KV-cache blocks held by live sequences / all blocks "
+                                "(KVCacheUtilization; 1 = full)", used)
 
 
 class ServerMetrics:

@@ -19,6 +19,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import msgspec
@@ -38,21 +39,16 @@ from specserve.api import (  # noqa: F401  (APP_KEY, Job, Server: re-exported fo
 )
 from specserve.async_engine import (
     AsyncEngine,
-    EngineStepError,
     EngineUnavailableError,
 )
-from specserve.deadlines import RequestTimeoutError
 from specserve.metrics import CONTENT_TYPE
 from specserve.openapi import openapi_document
-from specserve.outputs import OutputMerger, RequestOutput
 from specserve.playground import WS_KEY_PROTOCOL
 from specserve.playground import add_routes as add_playground
+from specserve.replies import SSE_HEADERS, open_reply
 from specserve.server_config import ServerConfig
 from specserve.ws import websocket_handler
 
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no"}
-_DONE = b"data: [DONE]\n\n"
 _enc = msgspec.json.Encoder()
 
 
@@ -77,10 +73,6 @@ def bearer_token(request: web.Request) -> str | None:
 
 def _json(obj: object, status: int = 200) -> web.Response:
     return web.Response(body=_enc.encode(obj), status=status, content_type="application/json")
-
-
-def _sse(obj: object) -> bytes:
-    return b"data: " + _enc.encode(obj) + b"\n\n"
 
 
 @web.middleware
@@ -122,99 +114,26 @@ async def _body(request: web.Request) -> bytes:
     return await request.read()
 
 
-def _finish_log(request: web.Request, job: Job, outs: list[RequestOutput]) -> None:
-    usage = P.usage_of(outs)
-    request[LOG_KEY] = {"request_id": job.id, "finish_reasons": [o.finish_reason for o in outs],
-                      "prompt_tokens": usage.prompt_tokens,
-                      "completion_tokens": usage.completion_tokens,
-                      "timings": P.timings_of(outs)}
-
-
 async def _api(request: web.Request, kind: str) -> web.StreamResponse:
     server = request.app[APP_KEY]
     arrival = asyncio.get_running_loop().time()
-    if not server.engine.ready:  # cheap early answer; add_requests checks again
-        raise EngineUnavailableError(f"the engine is not ready ({server.engine.state})")
-    job = await server.parse(kind, await _body(request), arrival=arrival)
-    streams = await server.admit(job, tenant_of(request))
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    if not job.stream:  # the deltas of each choice merged into its whole answer
-        merged = [OutputMerger() for _ in streams]
-        async for i, out in server.outputs(streams, job.deadline):
-            merged[i].add(out)
-        outs = [o for o in (m.take() for m in merged) if o is not None]
-        _finish_log(request, job, outs)
-        return _json(_response(server, job, outs))
-    resp = web.StreamResponse(headers=_SSE_HEADERS)
-    await resp.prepare(request)
-    sent_chars = [0] * len(streams)
+    reply = await open_reply(server, kind, await _body(request), tenant_of(request), arrival)
     try:
-        if kind == "chat":
-            for i in range(len(streams)):
-                await resp.write(_sse(_chat_chunk(job, i, P.ChatDelta("assistant", ""))))
-        async for i, out in server.outputs(streams, job.deadline):
-            lps = (out.logprobs or []) if job.logprobs else []
-            if not (out.text or out.finished or lps):
-                continue
-            reason = out.finish_reason if out.finished else None
-            timings = P.timings_of([out]) if out.finished else None
-            if kind == "chat":
-                lp = P.chat_logprobs(lps, server.token_text) if job.logprobs else None
-                delta = P.ChatDelta(content=out.text or None)
-                chunk: object = _chat_chunk(job, i, delta, lp, reason, timings)
-            else:
-                lp2 = (P.completion_logprobs(lps, server.token_text, sent_chars[i])
-                       if job.logprobs else None)
-                choice = P.CompletionChoice(i, out.text, lp2, reason)
-                chunk = P.CompletionResponse(job.id, "text_completion", job.created, job.model,
-                                             [choice], timings=timings)
-            sent_chars[i] += len(out.text)
-            await resp.write(_sse(chunk))
-            if out.finished:
-                finals[i] = out
-        outs = [o for o in finals if o is not None]
-        if job.include_usage:
-            usage, timings = P.usage_of(outs), P.timings_of(outs)
-            final: object = (_chat_chunk(job, None, None, usage=usage, timings=timings)
-                             if kind == "chat" else
-                             P.CompletionResponse(job.id, "text_completion", job.created,
-                                                  job.model, [], usage, timings))
-            await resp.write(_sse(final))
-        _finish_log(request, job, outs)
-    except (EngineUnavailableError, EngineStepError, RequestTimeoutError) as exc:  # mid-stream
-        await resp.write(_sse(P.ErrorResponse(error_of(exc)[1])))
-    await resp.write(_DONE)
-    await resp.write_eof()
-    return resp
-
-
-def _chat_chunk(job: Job, index: int | None, delta: P.ChatDelta | None,
-                lp: P.ChatLogprobs | None = None, reason: str | None = None,
-                timings: dict | None = None, usage: P.UsageInfo | None = None) -> P.ChatChunk:
-    choices = [] if index is None or delta is None else [
-        P.ChatChunkChoice(index, delta, lp, reason)]
-    return P.ChatChunk(job.id, "chat.completion.chunk", job.created, job.model, choices, usage,
-                       timings)
-
-
-def _response(server: Server, job: Job, outs: list[RequestOutput]) -> object:
-    usage, timings = P.usage_of(outs), P.timings_of(outs)
-    text = server.token_text
-    if job.kind == "chat":
-        chat_choices = [
-            P.ChatChoice(i, P.ChatMessageOut("assistant", o.text),
-                         P.chat_logprobs(o.logprobs or [], text) if job.logprobs else None,
-                         o.finish_reason)
-            for i, o in enumerate(outs)]
-        return P.ChatResponse(job.id, "chat.completion", job.created, job.model, chat_choices,
-                              usage, timings)
-    choices = [
-        P.CompletionChoice(i, o.text,
-                           P.completion_logprobs(o.logprobs or [], text, 0) if job.logprobs
-                           else None, o.finish_reason)
-        for i, o in enumerate(outs)]
-    return P.CompletionResponse(job.id, "text_completion", job.created, job.model, choices,
-                                usage, timings)
+        if not reply.job.stream:
+            body = await reply.json()
+            request[LOG_KEY] = reply.log_fields
+            return web.Response(body=body, content_type="application/json")
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        async with aclosing(reply.sse()) as frames:
+            async for frame in frames:
+                await resp.write(frame)
+        if reply.finals:
+            request[LOG_KEY] = reply.log_fields
+        await resp.write_eof()
+        return resp
+    finally:
+        reply.close()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
