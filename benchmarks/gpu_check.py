@@ -134,7 +134,7 @@ class RandomModels:
             cfg = dict(TARGET, num_hidden_layers=layers or TARGET["num_hidden_layers"])
             LlamaConfig(**cfg, bos_token_id=1, eos_token_id=2).save_pretrained(root / name)
 
-    def __call__(self, path, dtype, device):
+    def __call__(self, path, dtype, device, **_: object):  # shared_embeddings: all own theirs
         from transformers import LlamaConfig
 
         from target.config import ModelConfig
