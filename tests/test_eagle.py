@@ -101,11 +101,13 @@ def test_training_forward_equals_the_engines_drafting_chain(target):
 
 @pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 9},
                                        {"num_kv_blocks": 30, "max_model_len": 100},
-                                       {"enable_prefix_caching": True}])
+                                       {"enable_prefix_caching": True},
+                                       {"speculative_method": "auto"}])
 def test_eagle_greedy_identical_to_transformers(target, engine_kw):
     path, head, hf = target
     engine = make(path, head, **engine_kw)
-    assert engine.config.speculative_method == "eagle"  # detected from the folder
+    # detected from the folder (auto may pick the head too)
+    assert engine.config.speculative_method == engine_kw.get("speculative_method", "eagle")
     base = prompts([3, 11, 29, 50], seed=2)
     batch = base + [base[3][:40] + base[0]]  # shares full blocks with prompt 3
     outs = engine.generate(batch, GREEDY)
@@ -227,3 +229,11 @@ def test_cli_trains_from_tokens_only_shards_resumes_and_evaluates(text_model, tm
     assert cmd_distill(args) == 0
     table = json.loads((out / "eagle" / "card.json").read_text())["acceptance"]
     assert "| 3 |" in table and "predicted" in table
+
+
+def test_a_head_folder_is_not_a_draft_model(target):
+    path, head, _ = target
+    with pytest.raises(ConfigError, match="--speculative-method eagle"):
+        make(path, head, speculative_method="draft")
+    with pytest.raises(ConfigError, match="head folder"):
+        make(path, "none", speculative_method="eagle")
