@@ -22,12 +22,14 @@ _ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "model": ("local HF folder, .gguf file or hub id (default: built-in SmolLM2-135M-Instruct)",
               str),
     "tokenizer": ("tokenizer folder/file (default: the model's own)", str),
-    "draft_model": ("draft model for speculative decoding, same tokenizer as the target; "
-                    "'none' for no draft (default: the shipped distilled draft when the target "
-                    "is the built-in model)", str),
-    "speculative_method": ("draft | ngram | suffix | auto | off (auto: per step and sequence, "
-                           "the proposer with the best expected goodput; default: draft if a "
-                           "draft is loaded, else off)", str),
+    "draft_model": ("draft model for speculative decoding, same tokenizer as the target, or "
+                    "an EAGLE head folder (`specserve distill --method eagle`); 'none' for no "
+                    "draft (default: the shipped distilled draft when the target is the "
+                    "built-in model)", str),
+    "speculative_method": ("draft | eagle | ngram | suffix | auto | off (auto: per step and "
+                           "sequence, the proposer with the best expected goodput; default: "
+                           "eagle if --draft-model is an EAGLE head, draft if a draft is "
+                           "loaded, else off)", str),
     "num_speculative_tokens": ("k_max: most draft tokens verified per step (0-16)", int),
     "prompt_lookup_min": ("n-gram proposer: shortest n-gram to match", int),
     "prompt_lookup_max": ("n-gram proposer: longest n-gram to match (tried first)", int),

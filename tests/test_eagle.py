@@ -101,11 +101,13 @@ def test_training_forward_equals_the_engines_drafting_chain(target):
 
 @pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 9},
                                        {"num_kv_blocks": 30, "max_model_len": 100},
-                                       {"enable_prefix_caching": True}])
+                                       {"enable_prefix_caching": True},
+                                       {"speculative_method": "auto"}])
 def test_eagle_greedy_identical_to_transformers(target, engine_kw):
     path, head, hf = target
     engine = make(path, head, **engine_kw)
-    assert engine.config.speculative_method == "eagle"  # detected from the folder
+    # detected from the folder (auto may pick the head too)
+    assert engine.config.speculative_method == engine_kw.get("speculative_method", "eagle")
     base = prompts([3, 11, 29, 50], seed=2)
     batch = base + [base[3][:40] + base[0]]  # shares full blocks with prompt 3
     outs = engine.generate(batch, GREEDY)
@@ -152,8 +154,10 @@ def teacher_data(path, n: int, plen: int, new: int, seed: int) -> TeacherData:
 def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
     """A one-layer target: a head that ignores its feature and copies the target's layer is an
     exact imitation, reachable by training. The head starts from a noisy copy (and an unused
-    feature input) and learns from the target's own greedy output; measured through the
-    engine on prompts never trained on, it proves the plumbing apart from training quality."""
+    feature input) and learns the target's own greedy output. Drafting through the engine on
+    the trained prompts must then reach nearly k + 1 tokens per verify, and on prompts never
+    trained on it must get what the trainer's held-out estimate says (the small data set
+    generalizes only partly; that is training quality, not plumbing)."""
     path = tmp_path / "target"
     hf = build_model_dir(LlamaConfig(**{**LONG, "num_hidden_layers": 1}), path)
     with torch.no_grad():  # a peaked target distribution: clear margins to learn
@@ -174,18 +178,23 @@ def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
     _, before = train_head(head, teacher, train, val, replace(cfg, steps=0), tmp_path / "a.pt")
     _, after = train_head(head, teacher, train, val, cfg, tmp_path / "ck.pt")
     assert before is not None and after is not None
-    assert after.tokens_per_verify > before.tokens_per_verify
+    assert after.tokens_per_verify > before.tokens_per_verify + 1.0
     # float32: the tiny target's margins are narrower than bfloat16 rounding of the weights
     save_head(head, hf_config, tmp_path / "head", {}, dtype=torch.float32)
     engine = make(str(path), str(tmp_path / "head"))
-    held_out = prompts([8] * 8, seed=99)
-    outs = engine.generate(held_out, SamplingParams(max_tokens=40, temperature=0.0,
-                                                    ignore_eos=True))
-    for p, o in zip(held_out, outs):
-        assert o.token_ids == hf_greedy(hf, p, 40)
-    accepted = sum(o.timings.num_accepted for o in outs)
-    steps = sum(o.timings.num_verify_steps for o in outs)
-    assert (accepted + steps) / steps > 4.0  # k = 4: at most 5
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    def tokens_per_verify(ps: list[list[int]]) -> float:
+        outs = engine.generate(ps, greedy, SpeculativeParams("eagle", 3))
+        for p, o in zip(ps, outs):
+            assert o.token_ids == hf_greedy(hf, p, 40)
+        accepted = sum(o.timings.num_accepted for o in outs)
+        steps = sum(o.timings.num_verify_steps for o in outs)
+        return (accepted + steps) / steps
+
+    trained = [t[:8].tolist() for t in train.tokens[:16]]
+    assert tokens_per_verify(trained) > 3.4  # k = 3: at most 4
+    assert abs(tokens_per_verify(prompts([8] * 16, seed=4)) - after.tokens_per_verify) < 0.4
 
 
 def test_cli_trains_from_tokens_only_shards_resumes_and_evaluates(text_model, tmp_path):
@@ -220,3 +229,11 @@ def test_cli_trains_from_tokens_only_shards_resumes_and_evaluates(text_model, tm
     assert cmd_distill(args) == 0
     table = json.loads((out / "eagle" / "card.json").read_text())["acceptance"]
     assert "| 3 |" in table and "predicted" in table
+
+
+def test_a_head_folder_is_not_a_draft_model(target):
+    path, head, _ = target
+    with pytest.raises(ConfigError, match="--speculative-method eagle"):
+        make(path, head, speculative_method="draft")
+    with pytest.raises(ConfigError, match="head folder"):
+        make(path, "none", speculative_method="eagle")

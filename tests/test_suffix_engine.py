@@ -100,10 +100,11 @@ def test_request_scope_engine_learns_nothing_across_requests(models):
 
 def test_registry_names_and_unknown_method_errors(models):
     assert {"draft", "ngram", "suffix"} <= set(REGISTRY.names())
-    with pytest.raises(UnknownProposerError, match="known: draft, ngram, suffix, auto, off"):
-        REGISTRY.get("eagle")
+    with pytest.raises(UnknownProposerError,
+                       match="known: draft, eagle, ngram, suffix, auto, off"):
+        REGISTRY.get("medusa")
     with pytest.raises(InvalidRequestError) as err:
-        SpeculativeParams(method="eagle")
+        SpeculativeParams(method="medusa")
     assert err.value.param == "speculative.method" and "suffix" in str(err.value)
     with pytest.raises(ConfigError, match="suffix, auto, off"):
         EngineConfig(speculative_method="medusa")
