@@ -66,7 +66,8 @@ class Speculator:
             prompt_lookup_min=config.prompt_lookup_min, prompt_lookup_max=config.prompt_lookup_max,
             suffix=SuffixOptions(max_depth=config.suffix_max_depth,
                                  cache_tokens=config.suffix_cache_tokens,
-                                 scope=config.suffix_cache_scope),
+                                 scope=config.suffix_cache_scope,
+                                 spec_factor=config.suffix_spec_factor),
             draft_runner=draft_runner, block_size=config.block_size, seed=config.seed,
             probs_fn=sampling_probs,
         )

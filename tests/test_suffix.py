@@ -127,13 +127,15 @@ def test_own_text_drafts_match_reference(seed, impl):
     rng = random.Random(seed)
     for _ in range(40):
         depth, k = rng.randint(2, 8), rng.randint(1, 16)
+        factor = rng.choice([0.5, 1.0, 4.0])
         text = random_text(rng, rng.randint(1, 60))
-        prop = SuffixProposer(SuffixOptions(max_depth=depth, scope="request", impl=impl))
+        prop = SuffixProposer(SuffixOptions(max_depth=depth, scope="request", impl=impl,
+                                            spec_factor=factor))
         done = 0
         while done < len(text):  # grown in steps of a few tokens, as decoding does
             done = min(len(text), done + rng.randint(1, 4))
             got = prop.draft(ProposalRequest(0, text[:done], k)).tokens
-            assert got == ref_own(text[:done], depth, k), (text[:done], depth, k)
+            assert got == ref_own(text[:done], depth, k, factor), (text[:done], depth, k)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -143,7 +145,9 @@ def test_global_drafts_match_reference_with_eviction(seed, impl):
     for _ in range(25):
         depth, k = rng.randint(2, 8), rng.randint(1, 16)
         bound = rng.randint(20, 120)
-        prop = SuffixProposer(SuffixOptions(max_depth=depth, cache_tokens=bound, impl=impl))
+        factor = rng.choice([0.5, 1.0, 4.0])
+        prop = SuffixProposer(SuffixOptions(max_depth=depth, cache_tokens=bound, impl=impl,
+                                            spec_factor=factor))
         held: list[list[int]] = []
         for i in range(rng.randint(1, 8)):
             out = random_text(rng, rng.randint(1, 40))
@@ -164,7 +168,7 @@ def test_global_drafts_match_reference_with_eviction(seed, impl):
                 # Own text cannot win: the request scope of this proposer is empty (fresh seq),
                 # so compare the global candidate directly.
                 tenant = prop.tenants.get("t")
-                want = ref_global(held, context, depth, k) if held else ([], [])
+                want = ref_global(held, context, depth, k, factor) if held else ([], [])
                 if tenant is None:
                     assert not held
                     continue
@@ -205,11 +209,15 @@ def test_trie_counts_every_substring_after_removals(impl):
 
 def test_long_match_drafts_up_to_16_and_short_match_little():
     block = list(range(100, 140))
-    prop = SuffixProposer(SuffixOptions(max_depth=32, scope="request"))
+    prop = SuffixProposer(SuffixOptions(max_depth=32, scope="request", spec_factor=1.0))
     long = prop.draft(ProposalRequest(0, block + block[:20], 16))
     assert long.match_length == 20 and long.tokens == block[20:36]
     short = prop.draft(ProposalRequest(1, [1, 2, 3, 4, 9, 3], 16))  # match "3" only
     assert short.match_length == 1 and short.tokens == [4]
+    # The default factor (4): a 1-token match drafts up to 4 tokens, a 4-token one 16.
+    prop = SuffixProposer(SuffixOptions(max_depth=32, scope="request"))
+    assert prop.draft(ProposalRequest(1, [1, 2, 3, 4, 9, 3], 16)).tokens == [4, 9, 3]
+    assert prop.draft(ProposalRequest(2, block + block[:4], 16)).tokens == block[4:20]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
