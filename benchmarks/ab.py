@@ -2,8 +2,11 @@
 proposer, on the same model, prompts, dtype and greedy settings. Writes a RESULTS.md section.
 
     python benchmarks/ab.py [--model PATH] [--draft-model PATH] [--prompts rewrite]
-        [--num-prompts N] [--new-tokens 96] [--k 4] [--batch-sizes 1,8] [--repeats 3]
-        [--modes off,ngram,suffix,auto] [--fixed-k] [--num-threads N] [--no-write]
+        [--num-prompts N] [--new-tokens 96] [--k 4] [--suffix-k 16] [--batch-sizes 1,8]
+        [--repeats 3] [--modes off,ngram,suffix,auto] [--fixed-k] [--num-threads N] [--no-write]
+
+``--k`` is k_max of n-gram and draft-model speculation; suffix and auto get their own k_max,
+``--suffix-k`` (the server's ``--suffix-speculative-tokens``): a long suffix match drafts long.
 
 ``--prompts`` names benchmarks/prompts/<name>.json (user messages) or
 benchmarks/workloads/<name>.json (whole chats, e.g. agentic, templated). Every mode run starts
@@ -38,7 +41,8 @@ from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa:
 
 
 def run(engine, waves, params, method, k):
-    """Each wave is one closed batch, run to completion before the next; tok/s over them all."""
+    """Each wave is one closed batch, run to completion before the next; tok/s over them all.
+    ``k`` None: the engine's k_max for the method."""
     engine.clear_speculation_caches()
     t0 = time.perf_counter()
     outs = []
@@ -69,6 +73,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=None, help="the first N (default all)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--suffix-k", type=int, default=16, help="k_max of suffix and auto")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fixed-k", action="store_true", help="turn adaptive speculation off")
@@ -82,6 +87,7 @@ def main() -> int:
     engine = LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype,
         adaptive_speculation=not args.fixed_k, num_speculative_tokens=args.k,
+        suffix_speculative_tokens=args.suffix_k,
         num_threads=args.num_threads, draft_model=args.draft_model or "none",
     ))
     source = ROOT / "prompts" / f"{args.prompts}.json"
@@ -106,7 +112,7 @@ def main() -> int:
         per_mode: dict[str, list[dict]] = {m: [] for m in modes}
         for _ in range(args.repeats):
             for m in modes:
-                per_mode[m].append(run(engine, waves, params, m, args.k))
+                per_mode[m].append(run(engine, waves, params, m, None))
         ref = per_mode["off"][0]["ids"]
         for m in modes:
             if any(r["ids"] != ref for r in per_mode[m]):
@@ -143,7 +149,8 @@ def main() -> int:
         f"Model `{engine.model_path.split('/')[-1]}`"
         + (f", draft `{args.draft_model}`" if args.draft_model else "")
         + f", dtype {args.dtype}, greedy, {args.new_tokens} new tokens, prompts "
-        f"{source.relative_to(ROOT.parent)} ({len(texts)} prompts), k_max {args.k}, "
+        f"{source.relative_to(ROOT.parent)} ({len(texts)} prompts), k_max {args.k} "
+        f"(suffix and auto {args.suffix_k}), "
         f"adaptive k {not args.fixed_k}, {args.repeats} interleaved repeats. "
         f"Outputs identical to plain decoding: {not failures}.",
         lines,

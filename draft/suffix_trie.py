@@ -33,6 +33,7 @@ document (if its newest occurrence were in the oldest document, all of them were
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 
@@ -104,7 +105,11 @@ class SuffixTrie:
             child.count += 1
             parent.total += 1
             child.doc, child.pos = doc, i
-            if parent.best is None or child.count >= parent.best.count:
+            # The child has the newest stamp, so it wins ties; an unknown best stays unknown
+            # (recomputed when read) unless this is the only child.
+            if parent.best is not None and child.count >= parent.best.count:
+                parent.best = child
+            elif parent.best is None and len(parent.children) == 1:
                 parent.best = child
         nxt = [self.root]
         for d in range(min(len(active), self.max_depth)):
@@ -148,6 +153,71 @@ class SuffixTrie:
                 node = child
         self.base.pop(doc)
         self.num_tokens -= len(text)
+
+    # ---- the interface shared with the C++ trie (draft/csrc/suffix_trie.cpp) ----------------
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.docs)
+
+    def has_doc(self, doc: int) -> bool:
+        return doc in self.docs
+
+    def doc_length(self, doc: int) -> int:
+        return len(self.docs.get(doc, ()))
+
+    def count_of(self, sub: list[int]) -> int:
+        """Count of a substring's real node, or -1 when it has none."""
+        node: _Node | None = self.root
+        for t in sub:
+            node = node.children.get(t) if node is not None else None
+        return -1 if node is None else node.count
+
+    def speculate_own(
+        self, doc: int, k: int, factor: float, min_prob: float
+    ) -> tuple[list[int], list[float], int]:
+        """The best draft from a growing document's own earlier text: (tokens, probabilities,
+        match length). Every suffix that occurred earlier with a next token is a candidate,
+        longest first; each drafts at most ``max(1, min(k, floor(factor * length)))`` tokens
+        (see ``walk``), and the highest score (expected accepted tokens, the sum of the
+        probabilities) wins; a tie keeps the longer match. A candidate whose budget cannot beat
+        the best score so far ends the search (shorter ones have smaller budgets)."""
+        best: tuple[list[int], list[float], int] = ([], [], 0)
+        best_score = 0.0
+        for node in reversed(self._active[doc][1 : self.max_depth]):
+            if node.total <= 0:
+                continue
+            budget = _budget(node.depth, k, factor)
+            if budget <= best_score:
+                break
+            tokens, probs = self.walk(node, 0, budget, min_prob)
+            score = _score(probs)
+            if score > best_score:
+                best, best_score = (tokens, probs, node.depth), score
+        return best
+
+    def speculate(
+        self, context: list[int], longest: int, k: int, factor: float, min_prob: float
+    ) -> tuple[list[int], list[float], int, int]:
+        """The best draft for ``context`` from the held documents, candidates as in
+        ``speculate_own`` (suffixes of at most ``longest`` and max_depth - 1 tokens that occur
+        with a next token): (tokens, probabilities, winning match length, longest match)."""
+        n = len(context)
+        best: tuple[list[int], list[float], int] = ([], [], 0)
+        best_score, longest_hit = 0.0, 0
+        for length in range(min(longest, self.max_depth - 1, n), 0, -1):
+            budget = _budget(length, k, factor)
+            if budget <= best_score:
+                break
+            hit = self._descend(context, n - length)
+            if hit is None:
+                continue
+            longest_hit = longest_hit or length
+            tokens, probs = self.walk(hit[0], hit[1], budget, min_prob)
+            score = _score(probs)
+            if score > best_score:
+                best, best_score = (tokens, probs, length), score
+        return (*best, longest_hit)
 
     # ---- matching ---------------------------------------------------------------------------
 
@@ -224,6 +294,18 @@ class SuffixTrie:
             probs.extend([p] * len(tail))
             break
         return tokens, probs
+
+
+def _budget(length: int, k: int, factor: float) -> int:
+    """A match of ``length`` tokens earns at most ``factor * length`` draft tokens (and k)."""
+    return max(1, min(k, math.floor(factor * length)))
+
+
+def _score(probs: list[float]) -> float:
+    total = 0.0
+    for p in probs:  # left to right, as the C++ trie sums (the same float result)
+        total += p
+    return total
 
 
 def _size(node: _Node) -> int:

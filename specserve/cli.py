@@ -40,6 +40,8 @@ _ENGINE_FLAGS: dict[str, tuple[str, type]] = {
     "suffix_cache_scope": ("suffix decoding: request (each request's own text only) | global "
                            "(also earlier outputs of the same API key)", str),
     "suffix_max_depth": ("suffix decoding: longest substring the suffix trie counts", int),
+    "suffix_spec_factor": ("suffix decoding: a match of m tokens drafts at most this x m "
+                           "tokens (and at most --suffix-speculative-tokens)", float),
     "dtype": ("auto | float32 | bfloat16 | float16 (auto: bf16 on GPU/bf16 CPUs, else fp32)", str),
     "quantization": ("auto | none | int4 | int8: weight-only block quantization of the target's "
                      "projections (auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks on CPU, else none)",

@@ -32,6 +32,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     suffix_cache_tokens: int = 1 << 18  # global suffix cache bound (output tokens, all tenants)
     suffix_cache_scope: str = "global"  # request | global (per tenant = API key)
     suffix_max_depth: int = 32  # longest substring the suffix trie counts
+    suffix_spec_factor: float = 4.0  # a suffix match of m tokens drafts at most factor x m
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # auto | none | int4 | int8: weight-only block quantization of the target's projections
     # (target/quantize.py). auto: a GGUF's own Q4/Q8 blocks on CPU, else none
@@ -69,6 +70,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                               f"(got {self.suffix_cache_scope!r})")
         if self.suffix_cache_tokens < 0:
             raise ConfigError(f"suffix-cache-tokens must be >= 0 (got {self.suffix_cache_tokens})")
+        if not self.suffix_spec_factor > 0:
+            raise ConfigError(f"suffix-spec-factor must be > 0 (got {self.suffix_spec_factor})")
         if not 2 <= self.suffix_max_depth <= 256:
             raise ConfigError(f"suffix-max-depth must be in [2, 256] (got {self.suffix_max_depth})")
         if self.speculative_method == "draft" and self.draft_model == "none":

@@ -5,10 +5,17 @@ decoding sequence) costs ``T(n)``, plus the draft's cost when a draft model draf
 sequential draft steps of ``F_d + c_d * n_draft`` each. A sequence whose drafts are accepted
 independently with probability ``a`` yields ``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens per verify.
 The policy picks the k's that maximize the batch's goodput ``sum_i E_i(k_i) / T``, greedily, one
-draft token at a time, while that still pays. In the memory-bound regime (small batches) extra
-rows are nearly free and long drafts pay; once verification is compute-bound every extra token
-costs about as much as the token it might save and k falls to 0, so throughput never drops
-below plain decoding.
+draft token at a time, while that still pays. ``T`` also holds the host time of the model-free
+proposers (n-gram, suffix) of the sequences that draft: measured per call and method, it is what
+drafting costs beyond the verify rows, and on a small model at batch 8 it can be a tenth of the
+step (a pure-Python suffix trie was ~7.5 ms of a ~55 ms step). The proposer has already run when
+the policy decides (the policy reads real draft lengths), but it is priced as if it had not: the
+choice is the steady-state one, and the speculator stops calling the proposer of a sequence the
+policy keeps at k = 0 (with backoff, see speculator.py), so that cost is really saved.
+
+In the memory-bound regime (small batches) extra rows are nearly free and long drafts pay; once
+verification is compute-bound every extra token costs about as much as the token it might save
+and k falls to 0, so throughput never drops below plain decoding.
 
 ``T(n)`` is measured, not assumed: the median of the recent target forwards that fed exactly
 ``n`` tokens, and a least-squares line over all recent forwards for counts not yet seen. A real
@@ -157,6 +164,25 @@ class Candidate:
     k_max: int  # the most drafts it may take (request limit, tokens left, context left)
     rate: float  # its acceptance estimate
     uses_draft_model: bool
+    host_seconds: float = 0.0  # its model-free proposer's host time per step (when it drafts)
+
+
+class _Median:
+    """Median of a window of recent measurements (robust to a one-off: a proposer's first call
+    for a sequence also indexes its whole prompt)."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.samples: deque[float] = deque(maxlen=window)
+        self._value: float | None = None
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(seconds)
+        self._value = None
+
+    def __call__(self) -> float:
+        if self._value is None:
+            self._value = float(np.median(self.samples)) if self.samples else 0.0
+        return self._value
 
 
 class SpeculationPolicy:
@@ -171,6 +197,7 @@ class SpeculationPolicy:
         # Priors until measured: a memory-bound CPU step (~tens of ms fixed, ~1 ms per token).
         self.target_cost = _StepCost(fixed=0.05, per_unit=0.001, prior=projection_seconds)
         self.draft_cost = _LinearCost(fixed=0.01, per_unit=0.0005)
+        self.proposer_cost: dict[str, _Median] = {}  # method -> host seconds per sequence
         self.global_stats: dict[str, AcceptanceStats] = {}
         # seq id -> method -> its acceptance (a sequence under `auto` tries several methods)
         self.seq_stats: dict[int, dict[str, AcceptanceStats]] = {}
@@ -182,6 +209,15 @@ class SpeculationPolicy:
 
     def record_draft_step(self, num_seqs: int, seconds: float) -> None:
         self.draft_cost.add(num_seqs, seconds)
+
+    def record_proposer(self, method: str, seconds: float) -> None:
+        """Host time of one call of a model-free proposer for one sequence."""
+        self.proposer_cost.setdefault(method, _Median()).add(seconds)
+
+    def proposer_seconds(self, method: str) -> float:
+        """Typical host seconds per sequence of ``method``'s proposer (0 before measured)."""
+        cost = self.proposer_cost.get(method)
+        return cost() if cost is not None else 0.0
 
     def record_acceptance(self, seq_id: int, method: str, drafts: int, accepted: int) -> None:
         if drafts <= 0:
@@ -215,35 +251,87 @@ class SpeculationPolicy:
 
     def _model_choice(self, candidates: list[Candidate], num_other_tokens: int,
                       num_other_decodes: int = 0) -> dict[int, int]:
+        """Greedy search over the k's. A refining trial changes one sequence's k, so the step's
+        totals are updated, not recomputed (see ``_StepTotals``)."""
         n_base = num_other_tokens + num_other_decodes + len(candidates)
-        plain = self.target_cost(n_base)
+        k_top = max(c.k_max for c in candidates)
 
-        def goodput(ks: dict[int, int]) -> float:
-            gain = num_other_decodes + sum(expected_tokens(c.rate, ks[c.key]) for c in candidates)
-            n_tok = n_base + sum(ks.values())
-            drafting = [c for c in candidates if c.uses_draft_model and ks[c.key] > 0]
-            k_draft = max((ks[c.key] for c in drafting), default=0)
-            draft = k_draft * self.draft_cost(len(drafting)) if drafting else 0.0
-            # More tokens never cost less: a noisy table must not make drafting look free.
-            target = max(self.target_cost(n_tok), plain)
-            return gain / (target + draft)
+        def totals(ks: dict[int, int]) -> _StepTotals:
+            return _StepTotals(self, candidates, ks, n_base, num_other_decodes, k_top)
 
         # 1. The best common k (the draft's per-step cost is shared by every sequence, so one
         # sequence alone may not pay for a step that the whole batch does).
         best_ks = {c.key: 0 for c in candidates}
-        best = goodput(best_ks)
-        for level in range(1, max(c.k_max for c in candidates) + 1):
+        best = totals(best_ks).value()
+        for level in range(1, k_top + 1):
             ks = {c.key: min(level, c.k_max) for c in candidates}
-            value = goodput(ks)
+            value = totals(ks).value()
             if value > best * 1.0001:
                 best, best_ks = value, ks
-        # 2. Refine per sequence: shorten drafts that do not pay, lengthen those that do.
+        step = totals(best_ks)
+        # 2. Drop whole drafts that do not pay: a proposer's host time is paid once a sequence
+        # drafts at all, so one token less may not pay where no draft at all does.
+        for c in sorted(candidates, key=lambda c: c.rate):
+            k_old = step.ks[c.key]
+            if k_old == 0 or c.host_seconds <= 0.0:
+                continue
+            step.move(c, 0)
+            value = step.value()
+            if value > best * 1.0001:
+                best = value
+            else:
+                step.move(c, k_old)
+        # 3. Refine per sequence: shorten drafts that do not pay, lengthen those that do.
         for delta in (-1, 1):
             for c in sorted(candidates, key=lambda c: c.rate):
-                while 0 <= best_ks[c.key] + delta <= c.k_max:
-                    trial = {**best_ks, c.key: best_ks[c.key] + delta}
-                    value = goodput(trial)
+                while 0 <= step.ks[c.key] + delta <= c.k_max:
+                    k_old = step.ks[c.key]
+                    step.move(c, k_old + delta)
+                    value = step.value()
                     if value <= best * 1.0001:
+                        step.move(c, k_old)
                         break
-                    best, best_ks = value, trial
-        return best_ks
+                    best = value
+        return step.ks
+
+
+class _StepTotals:
+    """One choice of ks and the step's sums under it: expected tokens, tokens fed, proposer host
+    time, draft-model sequences per k. ``move`` changes one sequence's k in O(k_max), so the
+    search costs O(B * k_max) per step instead of O(B^2 * k_max) (~100 ms of Python at 64
+    sequences and k_max 16)."""
+
+    def __init__(self, policy: SpeculationPolicy, candidates: list[Candidate],
+                 ks: dict[int, int], n_base: int, num_other_decodes: int, k_top: int) -> None:
+        self.policy = policy
+        self.ks = dict(ks)
+        self.plain = policy.target_cost(n_base)
+        self.gain = num_other_decodes + sum(expected_tokens(c.rate, ks[c.key])
+                                            for c in candidates)
+        self.tokens = n_base + sum(ks.values())
+        self.host = sum(c.host_seconds for c in candidates if ks[c.key] > 0)
+        self.model_ks = [0] * (k_top + 1)  # k -> draft-model sequences drafting k tokens
+        for c in candidates:
+            if c.uses_draft_model and ks[c.key] > 0:
+                self.model_ks[ks[c.key]] += 1
+
+    def value(self) -> float:
+        """Expected tokens per second of the step."""
+        n_model = sum(self.model_ks)
+        k_draft = max((k for k, n in enumerate(self.model_ks) if n), default=0)
+        draft = k_draft * self.policy.draft_cost(n_model) if n_model else 0.0
+        # More tokens never cost less: a noisy table must not make drafting look free.
+        target = max(self.policy.target_cost(self.tokens), self.plain)
+        return self.gain / (target + draft + self.host)
+
+    def move(self, c: Candidate, k: int) -> None:
+        old = self.ks[c.key]
+        self.gain += expected_tokens(c.rate, k) - expected_tokens(c.rate, old)
+        self.tokens += k - old
+        self.host += c.host_seconds * ((k > 0) - (old > 0))
+        if c.uses_draft_model:
+            if old > 0:
+                self.model_ks[old] -= 1
+            if k > 0:
+                self.model_ks[k] += 1
+        self.ks[c.key] = k

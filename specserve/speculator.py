@@ -14,6 +14,12 @@ a cheap proposer has to offer before it pays for a draft model. ``auto`` picks, 
 step, the method with the best expected goodput: expected tokens per verify (from the draft's
 length and the sequence's measured acceptance for that method) over the step's cost (verify rows,
 plus the draft model's sequential forwards); the batch policy then cuts k, to 0 when nothing pays.
+
+A model-free proposer's host time is measured per call and priced by the policy. A sequence the
+policy keeps at k = 0 does not call its proposer for the next 1, 2, 4, .. 16 steps (``_idle``),
+so that speculation that does not pay (a large batch, a low acceptance) does not cost its
+proposer's time every step either. (An empty draft is not a k = 0 choice: the next tokens may
+match, and the proposer keeps being asked.)
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from target.model import FeatureCapture
 
 _AUTO_CHEAP = "suffix"  # auto's model-free candidate (suffix decoding subsumes prompt lookup)
 _EAGLE = "eagle"  # the proposer that reads the target's hidden states
+_MAX_IDLE = 16  # most steps a sequence kept at k = 0 skips its proposer before trying again
 
 
 @dataclass
@@ -62,7 +69,8 @@ class Speculator:
             prompt_lookup_min=config.prompt_lookup_min, prompt_lookup_max=config.prompt_lookup_max,
             suffix=SuffixOptions(max_depth=config.suffix_max_depth,
                                  cache_tokens=config.suffix_cache_tokens,
-                                 scope=config.suffix_cache_scope),
+                                 scope=config.suffix_cache_scope,
+                                 spec_factor=config.suffix_spec_factor),
             draft_runner=draft_runner, eagle_runner=eagle_runner,
             block_size=config.block_size, seed=config.seed,
             probs_fn=sampling_probs,
@@ -81,6 +89,8 @@ class Speculator:
         self._draft_budget = config.max_num_batched_tokens
         self._catch_up: set[int] = set()  # decoding seq ids whose draft lags past the budget
         self._feature_spans: list[tuple[int, int, int]] = []  # (seq id, first position, rows)
+        # seq id -> (steps left without drafting, consecutive k = 0 choices)
+        self._idle: dict[int, tuple[int, int]] = {}
 
     @property
     def draft(self) -> Proposer | None:
@@ -159,6 +169,10 @@ class Speculator:
             k_max = min(seq.spec_k_max, left)
             if k_max <= 0:
                 continue
+            idle = self._idle.get(seq.seq_id)
+            if idle is not None and idle[0] > 0:  # k = 0 lately: not worth proposing yet
+                self._idle[seq.seq_id] = (idle[0] - 1, idle[1])
+                continue
             method, k_max = self._pick(seq, k_max)
             seq.spec_step_method = method
             if k_max <= 0:
@@ -169,8 +183,9 @@ class Speculator:
                 self._catch_up.add(seq.seq_id)
                 continue
             rate = self.policy.acceptance_rate(seq.seq_id, method)
-            candidates.append(Candidate(seq.seq_id, k_max, rate,
-                                        self.proposers[method].uses_model))
+            uses_model = self.proposers[method].uses_model
+            host = 0.0 if uses_model else self.policy.proposer_seconds(method)
+            candidates.append(Candidate(seq.seq_id, k_max, rate, uses_model, host))
         self._early_seconds = time.perf_counter() - t0
         if not candidates:
             return
@@ -179,10 +194,18 @@ class Speculator:
         ks = self.policy.choose(candidates, prefill_tokens, decoding - len(candidates))
         for seq in running:
             seq.spec_k = ks.get(seq.seq_id, 0)
+        for c in candidates:
+            if ks[c.key] > 0:
+                self._idle.pop(c.key, None)
+            else:  # back off: skip the proposer for 1, 2, 4, .. _MAX_IDLE steps
+                streak = self._idle.get(c.key, (0, 0))[1]
+                self._idle[c.key] = (min(1 << streak, _MAX_IDLE), streak + 1)
 
     def _cheap_draft(self, proposer: Proposer, seq: Sequence, k: int) -> list[int]:
         req = self._request(seq, k)
+        t0 = time.perf_counter()
         tokens = proposer.propose([req]).draft_token_ids[0]
+        self.policy.record_proposer(proposer.name, time.perf_counter() - t0)
         self._early[seq.seq_id] = tokens
         return tokens
 
@@ -201,7 +224,9 @@ class Speculator:
         if cheap is not None:
             n = len(self._cheap_draft(cheap, seq, k_max))
             rate = self.policy.acceptance_rate(seq.seq_id, _AUTO_CHEAP)
-            options.append((expected_tokens(rate, n) / max(cost(1 + n), cost(1)), _AUTO_CHEAP, n))
+            host = self.policy.proposer_seconds(_AUTO_CHEAP)
+            options.append((expected_tokens(rate, n) / (max(cost(1 + n), cost(1)) + host),
+                            _AUTO_CHEAP, n))
         for name, p in self.proposers.items():
             if p.uses_model:
                 k = min(k_max, self.config.num_speculative_tokens)
@@ -337,6 +362,7 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         self.policy.forget(seq.seq_id)
+        self._idle.pop(seq.seq_id, None)
         done = FinishedSequence(
             seq.seq_id, seq.token_ids, seq.num_prompt_tokens, seq.spec_tenant,
             aborted=seq.finish_reason is not None and seq.finish_reason.value == "abort",

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from draft import suffix_trie_ext
 from draft.base import FinishedSequence, ProposalRequest
 from draft.suffix import SuffixOptions, SuffixProposer
 from draft.suffix_trie import SuffixTrie
@@ -63,24 +64,37 @@ def itertools_accumulate(xs):
         yield total
 
 
+def _best_candidate(cands):
+    """The highest score (sum of probabilities) wins; a tie keeps the longer (earlier) match."""
+    best, best_score = ([], [], 0), 0.0
+    for tokens, probs, m in cands:
+        score = sum(probs)
+        if score > best_score:
+            best, best_score = (tokens, probs, m), score
+    return best
+
+
 def ref_own(text, depth, k, factor=1.0, min_prob=0.1):
-    """The request's own text: the longest suffix (<= depth - 1) that also ends earlier."""
+    """The request's own text: every suffix (<= depth - 1) that also ends earlier is a
+    candidate drafting at most factor x its length; the best score wins."""
     n = len(text)
+    cands = []
     for m in range(min(depth - 1, n - 1), 0, -1):
         if any(e <= n - 2 for _, e in _occurrences([text], text[n - m :])):
             budget = max(1, min(k, math.floor(factor * m)))
-            return ref_walk([text], text[n - m :], depth, budget, min_prob)[0]
-    return []
+            cands.append((*ref_walk([text], text[n - m :], depth, budget, min_prob), m))
+    return _best_candidate(cands)[0]
 
 
 def ref_global(docs, context, depth, k, factor=1.0, min_prob=0.1):
-    """Earlier outputs: the longest suffix of the context with an occurrence that goes on."""
+    """Earlier outputs: every suffix of the context with an occurrence that goes on."""
+    cands = []
     for m in range(min(depth - 1, len(context)), 0, -1):
         pat = context[len(context) - m :]
         if any(e + 1 < len(docs[j]) for j, e in _occurrences(docs, pat)):
             budget = max(1, min(k, math.floor(factor * m)))
-            return ref_walk(docs, pat, depth, budget, min_prob)
-    return [], []
+            cands.append((*ref_walk(docs, pat, depth, budget, min_prob), m))
+    return _best_candidate(cands)[:2]
 
 
 def random_text(rng: random.Random, n: int) -> list[int]:
@@ -104,27 +118,36 @@ def random_text(rng: random.Random, n: int) -> list[int]:
 # ---- the trie against the reference --------------------------------------------------------
 
 
+IMPLS = ["python", "cpp"]  # the reference trie and its C++ twin: both against the reference
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("seed", range(6))
-def test_own_text_drafts_match_reference(seed):
+def test_own_text_drafts_match_reference(seed, impl):
     rng = random.Random(seed)
     for _ in range(40):
         depth, k = rng.randint(2, 8), rng.randint(1, 16)
+        factor = rng.choice([0.5, 1.0, 4.0])
         text = random_text(rng, rng.randint(1, 60))
-        prop = SuffixProposer(SuffixOptions(max_depth=depth, scope="request"))
+        prop = SuffixProposer(SuffixOptions(max_depth=depth, scope="request", impl=impl,
+                                            spec_factor=factor))
         done = 0
         while done < len(text):  # grown in steps of a few tokens, as decoding does
             done = min(len(text), done + rng.randint(1, 4))
             got = prop.draft(ProposalRequest(0, text[:done], k)).tokens
-            assert got == ref_own(text[:done], depth, k), (text[:done], depth, k)
+            assert got == ref_own(text[:done], depth, k, factor), (text[:done], depth, k)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("seed", range(6))
-def test_global_drafts_match_reference_with_eviction(seed):
+def test_global_drafts_match_reference_with_eviction(seed, impl):
     rng = random.Random(100 + seed)
     for _ in range(25):
         depth, k = rng.randint(2, 8), rng.randint(1, 16)
         bound = rng.randint(20, 120)
-        prop = SuffixProposer(SuffixOptions(max_depth=depth, cache_tokens=bound))
+        factor = rng.choice([0.5, 1.0, 4.0])
+        prop = SuffixProposer(SuffixOptions(max_depth=depth, cache_tokens=bound, impl=impl,
+                                            spec_factor=factor))
         held: list[list[int]] = []
         for i in range(rng.randint(1, 8)):
             out = random_text(rng, rng.randint(1, 40))
@@ -134,7 +157,8 @@ def test_global_drafts_match_reference_with_eviction(seed):
                 while sum(map(len, held)) > bound:
                     held.pop(0)
             assert prop.cached_tokens == sum(map(len, held)) <= bound
-            assert (prop.tenants["t"].trie.docs if held else {}) is not None
+            assert ("t" in prop.tenants) == bool(held)
+            assert not held or prop.tenants["t"].trie.num_docs == len(held)
             for _ in range(3):
                 context = random_text(rng, rng.randint(1, 30))
                 if held and rng.random() < 0.5:  # a context that ends inside a held output
@@ -144,7 +168,7 @@ def test_global_drafts_match_reference_with_eviction(seed):
                 # Own text cannot win: the request scope of this proposer is empty (fresh seq),
                 # so compare the global candidate directly.
                 tenant = prop.tenants.get("t")
-                want = ref_global(held, context, depth, k) if held else ([], [])
+                want = ref_global(held, context, depth, k, factor) if held else ([], [])
                 if tenant is None:
                     assert not held
                     continue
@@ -154,11 +178,16 @@ def test_global_drafts_match_reference_with_eviction(seed):
                 assert got.probs == pytest.approx(want[1])
 
 
-def test_trie_counts_every_substring_after_removals():
+def make_trie(impl: str, depth: int):
+    return SuffixTrie(depth) if impl == "python" else suffix_trie_ext.load().SuffixTrie(depth)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_trie_counts_every_substring_after_removals(impl):
     rng = random.Random(7)
     for _ in range(200):
         depth = rng.randint(2, 6)
-        trie = SuffixTrie(depth)
+        trie = make_trie(impl, depth)
         docs = [random_text(rng, rng.randint(1, 30)) for _ in range(rng.randint(1, 4))]
         for j, d in enumerate(docs):
             trie.extend(j, d)
@@ -172,26 +201,29 @@ def test_trie_counts_every_substring_after_removals():
                 for n in range(1, min(depth, len(t) - s) + 1):
                     counts[tuple(t[s : s + n])] = counts.get(tuple(t[s : s + n]), 0) + 1
         for sub, n in counts.items():
-            node = trie.root
-            for x in sub:
-                node = node.children.get(x) if node is not None else None
             # Substrings seen twice are always real nodes; once-seen ones may stay virtual.
-            assert (node.count if node is not None else 1 if n == 1 else None) == n
+            got = trie.count_of(list(sub))
+            assert (got if got >= 0 else 1 if n == 1 else None) == n
         assert trie.num_tokens == sum(map(len, live))
 
 
 def test_long_match_drafts_up_to_16_and_short_match_little():
     block = list(range(100, 140))
-    prop = SuffixProposer(SuffixOptions(max_depth=32, scope="request"))
+    prop = SuffixProposer(SuffixOptions(max_depth=32, scope="request", spec_factor=1.0))
     long = prop.draft(ProposalRequest(0, block + block[:20], 16))
     assert long.match_length == 20 and long.tokens == block[20:36]
     short = prop.draft(ProposalRequest(1, [1, 2, 3, 4, 9, 3], 16))  # match "3" only
     assert short.match_length == 1 and short.tokens == [4]
+    # The default factor (4): a 1-token match drafts up to 4 tokens, a 4-token one 16.
+    prop = SuffixProposer(SuffixOptions(max_depth=32, scope="request"))
+    assert prop.draft(ProposalRequest(1, [1, 2, 3, 4, 9, 3], 16)).tokens == [4, 9, 3]
+    assert prop.draft(ProposalRequest(2, block + block[:4], 16)).tokens == block[4:20]
 
 
-def test_update_cost_is_per_new_token():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_update_cost_is_per_new_token(impl):
     """Drafting again after one new token extends the trie by that token only."""
-    prop = SuffixProposer(SuffixOptions(scope="request"))
+    prop = SuffixProposer(SuffixOptions(scope="request", impl=impl))
     text = [random.Random(1).randrange(1000) for _ in range(5000)]
     prop.draft(ProposalRequest(0, text, 4))
     trie = prop.own[0]

@@ -1,0 +1,67 @@
+"""Builds and loads the C++ suffix trie (draft/csrc/suffix_trie.cpp), the fast twin of
+draft/suffix_trie.py.
+
+It is compiled on first use with torch's C++ extension builder (a C++ compiler and ninja, both
+needed for the quantized kernels too) and cached under ``$SPECSERVE_CACHE_DIR/ext/<key>``, keyed
+by the source, the torch version and the Python version; later starts load it in well under a
+second. Plain C++17, no CPU-specific instructions. Where it cannot be built, ``load`` raises and
+the suffix proposer falls back to the Python trie (same drafts, slower; it logs why once).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "suffix_trie.cpp"
+_FLAGS = ["-O2", "-std=c++17"]
+
+
+def build_key() -> str:
+    import torch
+
+    return hashlib.sha256(
+        _SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode()
+        + sys.version.encode()
+    ).hexdigest()[:16]
+
+
+@functools.cache
+def load() -> ModuleType:
+    """The compiled module (``.SuffixTrie``); builds it on the first call on this machine.
+    Raises with the reason when it cannot be had here."""
+    from torch.utils import cpp_extension
+
+    from target.loader import cache_root
+
+    key = build_key()
+    build_dir = cache_root() / "ext" / f"suffix-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    module = cpp_extension.load(
+        name=f"specserve_suffix_{key}",
+        sources=[str(_SOURCE)],
+        extra_cflags=_FLAGS,
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+    log.info("C++ suffix trie ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
+    return module
+
+
+@functools.cache
+def available() -> bool:
+    """True when the C++ trie is (or can be) built here; tries, and warns, once."""
+    try:
+        load()
+        return True
+    except Exception as exc:  # no compiler, no ninja: the Python trie drafts the same, slower
+        log.warning("C++ suffix trie unavailable, using the Python trie: %s", exc)
+        return False
