@@ -81,11 +81,12 @@ def test_global_cache_learns_across_requests_within_a_tenant_only(models):
 
 def test_speculator_never_drafts_from_another_tenant(models):
     target, _, _ = models
-    engine = make(target, speculative_method="suffix")
+    # spec factor 1: a match of 8 drafts at most 8 tokens
+    engine = make(target, speculative_method="suffix", suffix_spec_factor=1.0)
     secret = prompts([30], seed=21)[0]
     suffix = engine.speculator.proposers["suffix"]
     suffix.insert("a", secret)
-    for tenant, want in (("a", secret[8:16]), ("b", [])):  # match 8: at most 8 tokens
+    for tenant, want in (("a", secret[8:16]), ("b", [])):
         got = suffix.propose([ProposalRequest(1, [7] + secret[:8], 16, tenant=tenant)])
         assert got.draft_token_ids[0] == want
 
