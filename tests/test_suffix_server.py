@@ -61,7 +61,7 @@ def test_two_api_keys_are_two_tenants(server):
 def test_unknown_method_is_a_400_naming_the_field(server):
     status, resp = http("POST", server.url + "/v1/completions",
                         {"model": NAME, "prompt": "Hi", "max_tokens": 2,
-                         "speculative": {"method": "eagle"}}, key=KEY_B)
+                         "speculative": {"method": "medusa"}}, key=KEY_B)
     assert status == 400
     assert resp["error"]["param"] == "speculative.method"
     assert "suffix" in resp["error"]["message"] and "auto" in resp["error"]["message"]
