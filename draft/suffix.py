@@ -97,7 +97,10 @@ class SuffixProposer(StatelessProposer):
         # seq id -> (tenant version, global match length) at its last proposal: a match can
         # grow by at most the new tokens while the tenant's trie is unchanged.
         self._last: dict[int, tuple[int, int]] = {}
-        self._fast: bool | None = None  # C++ tries (decided on the first trie)
+        # C++ tries when they can be had: decided (and the module loaded) here, at engine
+        # start, not inside the first request that drafts.
+        impl = self.options.impl
+        self._fast = impl == "cpp" or (impl == "auto" and suffix_trie_ext.available())
 
     # ---- drafting ---------------------------------------------------------------------------
 
@@ -143,9 +146,6 @@ class SuffixProposer(StatelessProposer):
         return SuffixDraft(tokens, probs, length, "global" if tokens else "none")
 
     def _new_trie(self) -> Trie:
-        if self._fast is None:
-            impl = self.options.impl
-            self._fast = impl == "cpp" or (impl == "auto" and suffix_trie_ext.available())
         if self._fast:
             return suffix_trie_ext.load().SuffixTrie(self.options.max_depth)
         return SuffixTrie(self.options.max_depth)

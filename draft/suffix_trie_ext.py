@@ -3,9 +3,10 @@ draft/suffix_trie.py.
 
 It is compiled on first use with torch's C++ extension builder (a C++ compiler and ninja, both
 needed for the quantized kernels too) and cached under ``$SPECSERVE_CACHE_DIR/ext/<key>``, keyed
-by the source, the torch version and the Python version; later starts load it in well under a
-second. Plain C++17, no CPU-specific instructions. Where it cannot be built, ``load`` raises and
-the suffix proposer falls back to the Python trie (same drafts, slower; it logs why once).
+by the source, the torch version and the Python version; later starts import the built module
+directly (kernels/cpp_build.py). Plain C++17, no CPU-specific instructions. Where it cannot be
+built, ``load`` raises and the suffix proposer falls back to the Python trie (same drafts,
+slower; it logs why once).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import functools
 import hashlib
 import logging
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -37,23 +37,12 @@ def build_key() -> str:
 def load() -> ModuleType:
     """The compiled module (``.SuffixTrie``); builds it on the first call on this machine.
     Raises with the reason when it cannot be had here."""
-    from torch.utils import cpp_extension
-
+    from kernels.cpp_build import load_extension
     from target.loader import cache_root
 
     key = build_key()
-    build_dir = cache_root() / "ext" / f"suffix-{key}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    module = cpp_extension.load(
-        name=f"specserve_suffix_{key}",
-        sources=[str(_SOURCE)],
-        extra_cflags=_FLAGS,
-        build_directory=str(build_dir),
-        verbose=False,
-    )
-    log.info("C++ suffix trie ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
-    return module
+    return load_extension(f"specserve_suffix_{key}", [_SOURCE],
+                          cache_root() / "ext" / f"suffix-{key}", _FLAGS)
 
 
 @functools.cache

@@ -15,12 +15,12 @@ import hashlib
 import logging
 import platform
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from kernels.cpp_build import load_extension
 from target.loader import cache_root
 
 log = logging.getLogger(__name__)
@@ -61,22 +61,9 @@ def load() -> ModuleType:
     ``RuntimeError`` with the reason when it cannot be had here."""
     if not cpu_supported():
         raise RuntimeError("the block-quantized CPU kernels need an x86-64 CPU with AVX2 and FMA")
-    from torch.utils import cpp_extension
-
     key = build_key()
-    build_dir = cache_root() / "ext" / f"qgemm-{key}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    module = cpp_extension.load(
-        name=f"specserve_qgemm_{key}",
-        sources=[str(p) for p in _SOURCES],
-        extra_cflags=_FLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        verbose=False,
-    )
-    log.info("quantized kernels ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
-    return module
+    return load_extension(f"specserve_qgemm_{key}", _SOURCES,
+                          cache_root() / "ext" / f"qgemm-{key}", _FLAGS, ["-fopenmp"])
 
 
 @functools.cache
