@@ -424,3 +424,48 @@ def test_ngram_replay_counts_target_steps_exactly():
     edit_out = [0, 1, 2, 3, 4, 5, 6, 70, 8, 9]
     assert replay(prompt, edit_out, 4, find_ngram_draft, 1, 4) < replay(
         prompt, edit_out, 4, no_edit_fallback, 1, 4)
+
+
+def test_oracle_proposer_cuts_drafts_to_the_accepted_prefix(tiny):
+    """benchmarks/spec_ceiling.py's oracle: cut by hand-worked cases, then through the engine,
+    where every cut draft must be accepted and the output stay plain decoding's."""
+    from benchmarks.spec_ceiling import OracleProposer
+    from draft.base import Proposal, ProposalRequest, StatelessProposer
+    from specserve.engine import LLMEngine
+    from specserve.sampling_params import SamplingParams, SpeculativeParams
+
+    class Fixed(StatelessProposer):
+        name = "fixed"
+
+        def propose(self, requests):
+            n = len(requests)
+            return Proposal([[7, 8, 9, 5]] * n, confidence=[[1.0] * 4] * n)
+
+    oracle = OracleProposer(Fixed(), {(1, 2): [3, 7, 8, 4, 6]})
+    out = oracle.propose([ProposalRequest(0, [1, 2, 3], 4, num_prompt_tokens=2),
+                          ProposalRequest(1, [1, 2], 4, num_prompt_tokens=2)])
+    assert out.draft_token_ids == [[7, 8], []]
+    assert out.confidence == [[1.0, 1.0], []]
+
+    engine = LLMEngine(engine_config(tiny, speculative_method="ngram"))
+    prompt = engine.encode("a b c a b c a b c a b c a b")
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = engine.generate([prompt], params, SpeculativeParams(method="off"))[0]
+    truth = list(plain.token_ids)
+
+    class HalfRight(StatelessProposer):  # the true next tokens, the last one always wrong
+        name = "ngram"
+
+        def propose(self, requests):
+            drafts = []
+            for r in requests:
+                done = len(r.token_ids) - r.num_prompt_tokens
+                right = truth[done: done + r.num_tokens]
+                drafts.append(right[:-1] + [(right[-1] + 1) % 50] if right else [])
+            return Proposal(drafts)
+
+    engine.speculator.proposers["ngram"] = OracleProposer(HalfRight(), {tuple(prompt): truth})
+    spec = engine.generate([prompt], params, SpeculativeParams(method="ngram"))[0]
+    assert spec.token_ids == plain.token_ids
+    assert spec.timings.num_drafted > 0
+    assert spec.timings.num_accepted == spec.timings.num_drafted
