@@ -34,7 +34,7 @@ from benchmarks.report import RESULTS_MD, results_section, run_info, write_secti
 from draft.base import FinishedSequence, PrefillChunk, Proposal, ProposalRequest, Proposer  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
-from specserve.sampling_params import SamplingParams  # noqa: E402
+from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 
 
 class OracleProposer:
@@ -98,10 +98,12 @@ def main() -> int:
         t if isinstance(t, list) else [{"role": "user", "content": t}])) for t in texts]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0)
     waves = [[c] for c in chats]  # single stream: every prompt alone, in order
+    methods = args.methods.split(",")
+    for m in ["off", *methods]:  # warm-up, not measured
+        engine.generate(chats[:1], SamplingParams(max_tokens=8), SpeculativeParams(method=m))
     reference_run = run(engine, waves, params, "off", None)
     reference = {tuple(c): list(ids) for c, ids in zip(chats, reference_run["ids"])}
 
-    methods = args.methods.split(",")
     real = dict(engine.speculator.proposers)
     oracles = {m: OracleProposer(real[m], reference) for m in methods}
     modes = ["off"] + [x for m in methods for x in (m, f"oracle {m}")]
