@@ -39,7 +39,7 @@ def load() -> ModuleType:
     Raises with the reason when it cannot be had here."""
     from torch.utils import cpp_extension
 
-    from target.loader import cache_root
+    from specserve.target.loader import cache_root
 
     key = build_key()
     build_dir = cache_root() / "ext" / f"suffix-{key}"

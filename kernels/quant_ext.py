@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from target.loader import cache_root
+from specserve.target.loader import cache_root
 
 log = logging.getLogger(__name__)
 
