@@ -131,7 +131,7 @@ def hf_model(path: str, dtype: torch.dtype, eos_ids: list[int] | None,
     exactly max_new_tokens."""
     from transformers import AutoModelForCausalLM
 
-    from target.loader import HEAD_IDS_KEY, load_weights
+    from specserve.target.loader import HEAD_IDS_KEY, load_weights
 
     hf_config, state_dict = load_weights(path)
     head_ids = state_dict.pop(HEAD_IDS_KEY, None)

@@ -46,7 +46,7 @@ BF16_RTOL = 2e-2
 
 
 def _case(query_lens, cached_lens, block_size, H=32, KVH=8, D=64, seed=0):
-    from kernels.metadata import AttentionMetadata
+    from specserve.kernels.metadata import AttentionMetadata
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     ctx = [c + n for c, n in zip(cached_lens, query_lens)]
@@ -79,9 +79,9 @@ KERNEL_CASES = {
 
 def check_kernels(block_size: int) -> list[tuple[str, str, str]]:
     """(backend, case, result) rows; result is the relative error or why it was skipped."""
-    from kernels.registry import get_attention_backend
-    from kernels.torch_ref import TorchPagedAttention
     from specserve.errors import ConfigError
+    from specserve.kernels.registry import get_attention_backend
+    from specserve.kernels.torch_ref import TorchPagedAttention
 
     rows = []
     reference = TorchPagedAttention()
@@ -120,8 +120,8 @@ def check_kernels(block_size: int) -> list[tuple[str, str, str]]:
 
 
 class RandomModels:
-    """Stands in for ``target.loader.build_model``: folder name -> a random CausalLM built on
-    the GPU. "target" and "self_draft" are the same weights; "trunc_draft" is the target's
+    """Stands in for ``specserve.target.loader.build_model``: folder name -> a random CausalLM
+    built on the GPU. "target" and "self_draft" are the same weights; "trunc_draft" is the target's
     embedding, first DRAFT_LAYERS layers, final norm and lm_head."""
 
     def __init__(self, root: Path) -> None:
@@ -137,8 +137,8 @@ class RandomModels:
     def __call__(self, path, dtype, device, **_: object):  # shared_embeddings: all own theirs
         from transformers import LlamaConfig
 
-        from target.config import ModelConfig
-        from target.model import CausalLM
+        from specserve.target.config import ModelConfig
+        from specserve.target.model import CausalLM
 
         name = Path(path).name
         if name == "self_draft":
@@ -160,8 +160,8 @@ class RandomModels:
 
 def step_cost(models: RandomModels, backend_name: str, block_size: int, iters: int = 30):
     """ms per target step, batch 1 with 512 cached tokens: (decode 1 token, verify 5 tokens)."""
-    from kernels.metadata import AttentionMetadata
-    from target.model_runner import ModelRunner
+    from specserve.kernels.metadata import AttentionMetadata
+    from specserve.target.model_runner import ModelRunner
 
     mc, model = models("target", torch.bfloat16, "cuda")
     cached = 512

@@ -34,7 +34,7 @@ def hf_reference_model(engine: LLMEngine):
     """transformers' own model class on the very weights our engine loaded."""
     from transformers import AutoModelForCausalLM
 
-    from target.loader import load_weights
+    from specserve.target.loader import load_weights
 
     hf_config, state_dict = load_weights(engine.model_path)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=engine.dtype)

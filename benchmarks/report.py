@@ -49,7 +49,9 @@ def run_info(argv: list[str], program: str = "python -m benchmarks") -> RunInfo:
     import torch
     import transformers
 
-    from kernels.tuner import cpu_model  # one reading of the CPU model for tuner and reports
+    from specserve.kernels.tuner import (
+        cpu_model,  # one reading of the CPU model for tuner and reports
+    )
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return RunInfo(

@@ -53,8 +53,9 @@ def projection_seconds(model: torch.nn.Module) -> float:
     else:  # tied dense head: the embedding table
         w = model.embed_tokens.weight
         calls.append((lambda x, w=w: torch.nn.functional.linear(x, w), torch.randn(1, w.shape[1])))
-    try:  # the code before the tuner computed dense projections through kernels.linear.linear
-        from kernels.linear import linear as old_linear
+    # the code before the tuner computed dense projections through specserve.kernels.linear.linear
+    try:
+        from specserve.kernels.linear import linear as old_linear
     except ImportError:
         old_linear = None
     runs = []

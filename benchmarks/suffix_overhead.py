@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks.report import run_info, write_results_section  # noqa: E402
-from draft.base import FinishedSequence, ProposalRequest  # noqa: E402
-from draft.suffix import SuffixOptions, SuffixProposer  # noqa: E402
+from specserve.draft.base import FinishedSequence, ProposalRequest  # noqa: E402
+from specserve.draft.suffix import SuffixOptions, SuffixProposer  # noqa: E402
 
 VOCAB = 49152
 

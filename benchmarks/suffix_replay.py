@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
-from draft.base import FinishedSequence, ProposalRequest  # noqa: E402
-from draft.ngram import find_ngram_draft  # noqa: E402
-from draft.suffix import SuffixOptions, SuffixProposer  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
+from specserve.draft.base import FinishedSequence, ProposalRequest  # noqa: E402
+from specserve.draft.ngram import find_ngram_draft  # noqa: E402
+from specserve.draft.suffix import SuffixOptions, SuffixProposer  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
 from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from distill.data import PROMPTS_FILE
-from distill.eagle_train import EagleTrainConfig
-from distill.student import StudentSpec
-from distill.train import TrainConfig
+from specserve.distill.data import PROMPTS_FILE
+from specserve.distill.eagle_train import EagleTrainConfig
+from specserve.distill.student import StudentSpec
+from specserve.distill.train import TrainConfig
 
 
 def add_distill_parser(sub: argparse._SubParsersAction) -> None:
@@ -126,7 +126,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from specserve.errors import ConfigError
 
     if args.eval:
-        from distill.evaluate import EvalConfig, run_eval
+        from specserve.distill.evaluate import EvalConfig, run_eval
 
         draft, eagle = _eval_folders(args)
         if draft is None and eagle is None:
@@ -145,7 +145,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if args.out is None:
         raise ConfigError("distill needs --out DIR (where data, checkpoint and draft go)")
     if args.data_only:
-        from distill.datagen import DataGenConfig, run_datagen
+        from specserve.distill.datagen import DataGenConfig, run_datagen
 
         run_datagen(DataGenConfig(
             out=args.out, target=args.target, prompts=args.prompts, corpus=args.corpus,
@@ -160,7 +160,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if args.method == "eagle":
         return _cmd_eagle(args)
 
-    from distill.run import DistillConfig, run_distill
+    from specserve.distill.run import DistillConfig, run_distill
 
     cfg = DistillConfig(
         out=args.out, target=args.target, prompts=args.prompts, num_prompts=args.num_prompts,
@@ -198,7 +198,7 @@ def _eval_folders(args: argparse.Namespace) -> tuple[str | None, str | None]:
 
 
 def _cmd_eagle(args: argparse.Namespace) -> int:
-    from distill.eagle_run import EagleConfig, run_eagle
+    from specserve.distill.eagle_run import EagleConfig, run_eagle
 
     if args.num_threads:
         import torch

@@ -5,8 +5,8 @@ templates and components; the combinations allow about 8,000. This module takes 
 (capped per category so that stories, with the most combinations, do not dominate) and turns
 each into a conversation of 1..``max_turns`` user turns: the first turn is the prompt, later
 turns are follow-ups ("Make it shorter.", "Now add error handling.") asked after the target's
-own previous answer, which ``distill.data`` feeds back as the assistant turn. So the teacher
-data also holds what the target says deep in a chat, with its own earlier words in context.
+own previous answer, which ``specserve.distill.data`` feeds back as the assistant turn. So the
+teacher data also holds what the target says deep in a chat, with its own earlier words in context.
 
 Split rule (as in ``build_prompts``): train conversations use only train templates, train
 components and train follow-ups (the last 10% of every follow-up list is held out). The held-out
@@ -24,8 +24,8 @@ from __future__ import annotations
 import hashlib
 import random
 
-from distill import build_prompts as bp
-from distill.data import Conversation, Prompt
+from specserve.distill import build_prompts as bp
+from specserve.distill.data import Conversation, Prompt
 
 SEED = 0
 PER_CATEGORY = 800  # most train conversations taken from one category

@@ -1,14 +1,14 @@
 """`specserve distill --data-only`: teacher data for the train and held-out splits, and its speed.
 
-    OUT/data/train/     shards of the train conversations (resumable, see distill.data)
+    OUT/data/train/     shards of the train conversations (resumable, see specserve.distill.data)
     OUT/data/heldout/   shards of the held-out conversations (never trained on)
     OUT/data/gen_log.jsonl  one line per run: what it generated, how fast, on what
 
-The train split is either the train prompts of a prompt set (``--prompts``, single turn) or,
-with ``--corpus``, the large multi-turn corpus of ``distill.corpus``; the held-out split is the
-prompt set's held-out prompts (as conversations of up to ``--turns`` turns with ``--corpus``).
-The engine decodes plainly (no speculation: at these batch sizes it costs more than it saves)
-in big continuous batches of ``--gen-batch`` sequences.
+The train split is either the train prompts of a prompt set (``--prompts``, single turn) or, with
+``--corpus``, the large multi-turn corpus of ``specserve.distill.corpus``; the held-out split is the
+prompt set's held-out prompts (as conversations of up to ``--turns`` turns with ``--corpus``). The
+engine decodes plainly (no speculation: at these batch sizes it costs more than it saves) in big
+continuous batches of ``--gen-batch`` sequences.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from distill.data import PROMPTS_FILE, Conversation, generate_teacher_data, load_prompts
+from specserve.distill.data import PROMPTS_FILE, Conversation, generate_teacher_data, load_prompts
 from specserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ class DataGenConfig:
     out: Path
     target: str | None = None  # None: the built-in default model
     prompts: Path = PROMPTS_FILE
-    corpus: bool = False  # train on distill.corpus (multi-turn) instead of the prompt set's train
+    # train on specserve.distill.corpus (multi-turn) instead of the prompt set's train split
+    corpus: bool = False
     turns: int = 2  # most user turns per conversation (corpus and its held-out split)
     num_prompts: int | None = None  # first N train conversations (None: all)
     num_heldout: int = 64
@@ -57,13 +58,13 @@ def conversations(cfg: DataGenConfig) -> tuple[list[Conversation], list[Conversa
     every category; a shorter run's shards are the first shards of a longer one)."""
     heldout_prompts = load_prompts(cfg.prompts, "heldout")[: cfg.num_heldout]
     if cfg.corpus:
-        from distill.corpus import build_train_corpus, heldout_conversations
+        from specserve.distill.corpus import build_train_corpus, heldout_conversations
 
         train = build_train_corpus(max_turns=cfg.turns)
         heldout = heldout_conversations(heldout_prompts, max_turns=cfg.turns)
     else:
         prompts = load_prompts(cfg.prompts, "train")
-        random.Random(0).shuffle(prompts)  # the same order as distill.run's
+        random.Random(0).shuffle(prompts)  # the same order as specserve.distill.run's
         train = [Conversation.from_prompt(p) for p in prompts]
         heldout = [Conversation.from_prompt(p) for p in heldout_prompts]
     train = train[: cfg.num_prompts]

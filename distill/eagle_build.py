@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from distill.student import render_card
-from draft.eagle_head import EAGLE_KEY, HEAD_IDS, EagleHead, EagleMeta, head_config
-from target.config import ModelConfig
-from target.model import _fuse_hf_names
+from specserve.distill.student import render_card
+from specserve.draft.eagle_head import EAGLE_KEY, HEAD_IDS, EagleHead, EagleMeta, head_config
+from specserve.target.config import ModelConfig
+from specserve.target.model import _fuse_hf_names
 
 
 def build_head(

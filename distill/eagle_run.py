@@ -1,8 +1,8 @@
 """`specserve distill --method eagle`: teacher shards -> head vocabulary -> EAGLE head -> training
 -> OUT/eagle (a folder for --draft-model).
 
-    DATA (default OUT/data/train)  teacher shards (distill.data.TeacherData; only tokens and
-                                   prompt_lens are read). Missing: generated first, as
+    DATA (default OUT/data/train)  teacher shards (specserve.distill.data.TeacherData; only
+                                   tokens and prompt_lens are read). Missing: generated first, as
                                    `specserve distill --data-only` would.
     held-out                       shards in DATA's sibling folder ``heldout`` when it has any,
                                    else every 20th sequence of DATA (never trained on)
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from distill.data import TeacherData
-from distill.eagle_train import EagleTrainConfig
+from specserve.distill.data import TeacherData
+from specserve.distill.eagle_train import EagleTrainConfig
 from specserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -62,12 +62,12 @@ def _cap(data: TeacherData, n: int) -> TeacherData:
 
 def run_eagle(cfg: EagleConfig) -> Path:
     """Trains (or resumes training) an EAGLE head; returns the head folder."""
-    from distill.eagle_build import build_head, save_head
-    from distill.eagle_train import Teacher, train_head
-    from distill.student import choose_head_vocab
-    from draft.eagle_head import default_target_layers
+    from specserve.distill.eagle_build import build_head, save_head
+    from specserve.distill.eagle_train import Teacher, train_head
+    from specserve.distill.student import choose_head_vocab
+    from specserve.draft.eagle_head import default_target_layers
     from specserve.models import resolve_model_path
-    from target.loader import load_weights
+    from specserve.target.loader import load_weights
 
     data_dir = cfg.data or cfg.out / "data" / "train"
     if not any(Path(data_dir).glob("shard-*.pt")):

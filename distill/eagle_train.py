@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from distill.data import TeacherData
-from distill.eagle_ttt import ttt_forward
-from draft.eagle_head import EagleHead
+from specserve.distill.data import TeacherData
+from specserve.distill.eagle_ttt import ttt_forward
+from specserve.draft.eagle_head import EagleHead
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draft.eagle_head import EagleHead
-from kernels.rotary import apply_rotary
+from specserve.draft.eagle_head import EagleHead
+from specserve.kernels.rotary import apply_rotary
 
 
 def shift_right(x: torch.Tensor, by: int = 1) -> torch.Tensor:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from distill.data import PROMPTS_FILE, load_prompts
+from specserve.distill.data import PROMPTS_FILE, load_prompts
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def _median_seconds(fn, repeats: int = 20) -> float:
 
 
 def _costs(engine, ks: list[int]) -> Costs:
-    from kernels.metadata import AttentionMetadata, token_positions
+    from specserve.kernels.metadata import AttentionMetadata, token_positions
 
     ctx, bs, dev = 64, engine.config.block_size, engine.device
     table = list(range((ctx + max(ks) + bs) // bs + 1))
@@ -213,7 +213,7 @@ def run_eval(cfg: EvalConfig) -> str:
 def _write_card(folder: Path, table: str, cost: float, method: str) -> None:
     import json
 
-    from distill.student import render_card
+    from specserve.distill.student import render_card
 
     card_file = folder / "card.json"
     if not card_file.is_file():

@@ -15,7 +15,7 @@ also when a helper's worktree made the change; it splits the GGUF into .gguf_par
 the wheels into .whl/, adds both to .git/info/exclude, and prints the exact calls, with the
 number of parts computed from that tree's size):
 
-    python -m distill.gpu_recipe prepare
+    python -m specserve.distill.gpu_recipe prepare
 
 The calls for a 3-part split (what ``prepare`` printed for this tree):
 
@@ -24,20 +24,20 @@ The calls for a 3-part split (what ``prepare`` printed for this tree):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-    TQDM_MININTERVAL=20 || exit; python3 -m distill.gpu_recipe store .gguf_parts/part-1-of-3
-    && python3 -m distill.gpu_recipe check --out $OUT
+    TQDM_MININTERVAL=20 || exit; python3 -m specserve.distill.gpu_recipe store
+    .gguf_parts/part-1-of-3 && python3 -m specserve.distill.gpu_recipe check --out $OUT
 
   call 2, carry [".gguf_parts/part-2-of-3"]:
 
-    python3 -m distill.gpu_recipe store .gguf_parts/part-2-of-3
+    python3 -m specserve.distill.gpu_recipe store .gguf_parts/part-2-of-3
 
   call 3, carry [".whl", ".gguf_parts/part-3-of-3"] (reassembles and checks the sha256, makes
   the teacher data, trains the EAGLE head if `specserve distill --method eagle` exists, packs):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-    TQDM_MININTERVAL=20 || exit; python3 -m distill.gpu_recipe store .gguf_parts/part-3-of-3
-    && python3 -m distill.gpu_recipe run --out $OUT --minutes 9
+    TQDM_MININTERVAL=20 || exit; python3 -m specserve.distill.gpu_recipe store
+    .gguf_parts/part-3-of-3 && python3 -m specserve.distill.gpu_recipe run --out $OUT --minutes 9
 
 (each command is one line; wrapped here). ``run`` writes to $OUT: ``speeds.json`` (data
 generation and training: tokens, seconds, tok/s, which engine options ran), ``recipe.log``
@@ -81,6 +81,8 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
 PRE = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
        "--target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 "
        "TQDM_MININTERVAL=20 || exit; ")
+# Run uninstalled from the tree's root: specserve/__init__.py finds distill/ beside it.
+RECIPE = "python3 -m specserve.distill.gpu_recipe"
 
 
 # --- here: prepare ----------------------------------------------------------------------------
@@ -136,15 +138,14 @@ def prepare(gguf: Path | None) -> list[tuple[str, list[str]]]:
     calls = []
     for i in range(1, n + 1):
         part = f"{PARTS}/part-{i}-of-{n}"
-        store = f"python3 -m distill.gpu_recipe store {part}"
+        store = f"{RECIPE} store {part}"
         if i == 1:
-            calls.append((f"{PRE}{store} && python3 -m distill.gpu_recipe check --out $OUT",
-                          [".whl", part]))
+            calls.append((f"{PRE}{store} && {RECIPE} check --out $OUT", [".whl", part]))
         elif i < n:
             calls.append((store, [part]))
         else:
-            calls.append((f"{PRE}{store} && python3 -m distill.gpu_recipe run --out $OUT "
-                          f"--minutes 9", [".whl", part]))
+            calls.append((f"{PRE}{store} && {RECIPE} run --out $OUT --minutes 9",
+                          [".whl", part]))
     return calls
 
 
@@ -232,7 +233,7 @@ class Recipe:
                 break
             start = time.monotonic()
             run_spec = dict(spec, dtype=dtype, attention_backend=backend)
-            rc = self.sh([sys.executable, "-m", "distill.gpu_recipe", "datagen",
+            rc = self.sh([sys.executable, "-m", "specserve.distill.gpu_recipe", "datagen",
                           json.dumps(run_spec)], timeout)
             timeout -= time.monotonic() - start
             log = Path(spec["out"]) / "data" / "gen_log.jsonl"
@@ -352,7 +353,7 @@ def run(out: Path, minutes: float, tokens: int, max_new_tokens: int, gen_batch: 
 
 def datagen(spec_json: str) -> None:
     """One teacher-data run from a JSON DataGenConfig (the recipe's subprocess step)."""
-    from distill.datagen import DataGenConfig, run_datagen
+    from specserve.distill.datagen import DataGenConfig, run_datagen
 
     spec = json.loads(spec_json)
     spec["out"] = Path(spec["out"])
@@ -360,7 +361,7 @@ def datagen(spec_json: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m distill.gpu_recipe", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m specserve.distill.gpu_recipe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("prepare", help="here: wheels, GGUF parts, excludes; prints the calls")

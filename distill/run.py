@@ -1,7 +1,7 @@
 """`specserve distill`: teacher data -> head vocabulary -> student -> training -> draft folder.
 
-    OUT/data/train/, OUT/data/heldout/   teacher data shards (resumable, see distill.data)
-    OUT/checkpoint.pt                    training checkpoint (resumable, see distill.train)
+    OUT/data/train/, OUT/data/heldout/   teacher data shards (resumable: specserve.distill.data)
+    OUT/checkpoint.pt                    training checkpoint (resumable: specserve.distill.train)
     OUT/draft/                           the finished draft: --draft-model OUT/draft
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from distill.data import PROMPTS_FILE, generate_teacher_data, load_prompts
-from distill.student import StudentSpec, build_student, choose_head_vocab, save_student
-from distill.train import TrainConfig, train
+from specserve.distill.data import PROMPTS_FILE, generate_teacher_data, load_prompts
+from specserve.distill.student import StudentSpec, build_student, choose_head_vocab, save_student
+from specserve.distill.train import TrainConfig, train
 from specserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def run_distill(cfg: DistillConfig) -> Path | None:
     """Runs (or resumes) every stage; returns the draft folder (None with ``data_only``)."""
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
-    from target.loader import load_weights
+    from specserve.target.loader import load_weights
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)

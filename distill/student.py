@@ -10,8 +10,8 @@ residual distribution (the draft's q is zero there). Layers start as copies of t
 space) so training starts from a draft that already predicts something.
 
 Training runs transformers' own implementation of the architecture (causal attention over
-padded batches); the saved folder is read by ``target.loader`` like any other model, with the
-embeddings taken from the target at load time (``specserve_draft.embeddings == "target"``).
+padded batches); the saved folder is read by ``specserve.target.loader`` like any other model,
+with the embeddings taken from the target at load time (``specserve_draft.embeddings == "target"``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from target.loader import HEAD_IDS_KEY
+from specserve.target.loader import HEAD_IDS_KEY
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,9 @@ def save_student(
     student: Student, target_hf_config: Any, out: Path, *, tokenizer: Any | None,
     card: dict[str, Any], spec: StudentSpec,
 ) -> None:
-    """Writes a folder ``target.loader`` reads: config.json, model.safetensors (bfloat16: the
-    draft is an approximation anyway, and it halves the size), tokenizer files, card."""
+    """Writes a folder ``specserve.target.loader`` reads: config.json, model.safetensors
+    (bfloat16: the draft is an approximation anyway, and it halves the size), tokenizer files,
+    card."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)

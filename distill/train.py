@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from distill.data import TeacherData
-from distill.student import Student
+from specserve.distill.data import TeacherData
+from specserve.distill.student import Student
 
 log = logging.getLogger(__name__)
 

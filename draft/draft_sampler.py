@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from draft.base import DraftSampling
+from specserve.draft.base import DraftSampling
 
 GREEDY = DraftSampling(greedy=True)
 

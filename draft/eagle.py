@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from draft.base import FinishedSequence, PrefillChunk, Proposal, ProposalRequest
-from draft.draft_sampler import GREEDY, DraftSampler
-from draft.eagle_head import EagleRunner
-from kernels.metadata import AttentionMetadata, token_positions
+from specserve.draft.base import FinishedSequence, PrefillChunk, Proposal, ProposalRequest
+from specserve.draft.draft_sampler import GREEDY, DraftSampler
+from specserve.draft.eagle_head import EagleRunner
+from specserve.kernels.metadata import AttentionMetadata, token_positions
 
 
 class FeatureRun:

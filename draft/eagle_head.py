@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.linear import DenseLinear
-from kernels.metadata import AttentionMetadata
-from kernels.registry import AttentionBackend
-from kernels.rotary import RotaryEmbedding
 from specserve.errors import ModelLoadError
-from target.config import ModelConfig
-from target.model import DecoderLayer, KVCache, RMSNorm
+from specserve.kernels.linear import DenseLinear
+from specserve.kernels.metadata import AttentionMetadata
+from specserve.kernels.registry import AttentionBackend
+from specserve.kernels.rotary import RotaryEmbedding
+from specserve.target.config import ModelConfig
+from specserve.target.model import DecoderLayer, KVCache, RMSNorm
 
 EAGLE_KEY = "specserve_eagle"
 HEAD_IDS = "head_token_ids"
@@ -156,7 +156,7 @@ def load_head(
     ``ModelLoadError`` saying what to do when the head was trained for another target."""
     from safetensors.torch import load_file
 
-    from target.loader import load_hf_config
+    from specserve.target.loader import load_hf_config
 
     folder = Path(path)
     hf_config = load_hf_config(folder)

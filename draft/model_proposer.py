@@ -29,16 +29,16 @@ from typing import Any
 
 import torch
 
-from draft.base import (
+from specserve.draft.base import (
     FinishedSequence,
     PrefillChunk,
     Proposal,
     ProposalRequest,
 )
-from draft.draft_sampler import GREEDY as _GREEDY
-from draft.draft_sampler import DraftSampler
-from kernels.metadata import AttentionMetadata, token_positions
-from target.model_runner import ModelRunner
+from specserve.draft.draft_sampler import GREEDY as _GREEDY
+from specserve.draft.draft_sampler import DraftSampler
+from specserve.kernels.metadata import AttentionMetadata, token_positions
+from specserve.target.model_runner import ModelRunner
 
 
 class DraftModelProposer:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from draft.base import Proposal, ProposalRequest, StatelessProposer
+from specserve.draft.base import Proposal, ProposalRequest, StatelessProposer
 
 
 def _continuation(tokens: np.ndarray, min_n: int, max_n: int) -> int | None:

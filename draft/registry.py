@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from draft.base import Proposer
+from specserve.draft.base import Proposer
 
 OFF, AUTO = "off", "auto"
 
@@ -24,9 +24,9 @@ class ProposerContext:
 
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    suffix: Any = None  # draft.suffix.SuffixOptions
+    suffix: Any = None  # specserve.draft.suffix.SuffixOptions
     draft_runner: Any = None  # target.model_runner.ModelRunner of the draft model, or None
-    eagle_runner: Any = None  # draft.eagle_head.EagleRunner of an EAGLE head, or None
+    eagle_runner: Any = None  # specserve.draft.eagle_head.EagleRunner of an EAGLE head, or None
     block_size: int = 16
     seed: int = 0
     # logits [N, V], opaque per-row params -> q [N, V] (the engine's sampling processing)
@@ -87,25 +87,25 @@ class ProposerRegistry:
 
 
 def _ngram(ctx: ProposerContext) -> Proposer:
-    from draft.ngram import NgramProposer
+    from specserve.draft.ngram import NgramProposer
 
     return NgramProposer(ctx.prompt_lookup_min, ctx.prompt_lookup_max)
 
 
 def _suffix(ctx: ProposerContext) -> Proposer:
-    from draft.suffix import SuffixOptions, SuffixProposer
+    from specserve.draft.suffix import SuffixOptions, SuffixProposer
 
     return SuffixProposer(ctx.suffix or SuffixOptions())
 
 
 def _draft(ctx: ProposerContext) -> Proposer:
-    from draft.model_proposer import DraftModelProposer
+    from specserve.draft.model_proposer import DraftModelProposer
 
     return DraftModelProposer(ctx.draft_runner, ctx.block_size, ctx.probs_fn, ctx.seed)
 
 
 def _eagle(ctx: ProposerContext) -> Proposer:
-    from draft.eagle import EagleProposer
+    from specserve.draft.eagle import EagleProposer
 
     return EagleProposer(ctx.eagle_runner, ctx.probs_fn, ctx.seed)
 

@@ -30,11 +30,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from draft import suffix_trie_ext
-from draft.base import FinishedSequence, Proposal, ProposalRequest, StatelessProposer
-from draft.suffix_trie import SuffixTrie
+from specserve.draft import suffix_trie_ext
+from specserve.draft.base import FinishedSequence, Proposal, ProposalRequest, StatelessProposer
+from specserve.draft.suffix_trie import SuffixTrie
 
-Trie = Any  # draft.suffix_trie.SuffixTrie or its C++ twin (the same methods)
+Trie = Any  # specserve.draft.suffix_trie.SuffixTrie or its C++ twin (the same methods)
 
 _OWN = 0  # the document id of a sequence's own text in its trie
 

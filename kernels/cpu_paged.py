@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import quant_ext
-from kernels.metadata import AttentionMetadata
-from kernels.torch_ref import TorchPagedAttention, write_kv
+from specserve.kernels import quant_ext
+from specserve.kernels.metadata import AttentionMetadata
+from specserve.kernels.torch_ref import TorchPagedAttention, write_kv
 
 
 @dataclass

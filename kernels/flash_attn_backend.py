@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-from kernels.metadata import AttentionMetadata
-from kernels.torch_ref import write_kv
 from specserve.errors import ConfigError
+from specserve.kernels.metadata import AttentionMetadata
+from specserve.kernels.torch_ref import write_kv
 
 PAGE_MULTIPLE = 256
 

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels import quant_ext
-from kernels.linear import RowPlan
+from specserve.kernels import quant_ext
+from specserve.kernels.linear import RowPlan
 
 BLOCK = 32
 FORMATS = ("q4_1", "q8_0")

@@ -20,8 +20,8 @@ from types import ModuleType
 
 import torch
 
-from kernels.cpp_build import load_extension
-from target.loader import cache_root
+from specserve.kernels.cpp_build import load_extension
+from specserve.target.loader import cache_root
 
 log = logging.getLogger(__name__)
 

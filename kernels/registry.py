@@ -11,8 +11,8 @@ from typing import Protocol
 
 import torch
 
-from kernels.metadata import AttentionMetadata
 from specserve.errors import ConfigError
+from specserve.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +42,15 @@ class _Entry:
 
 
 _BACKENDS: dict[str, _Entry] = {
-    "torch": _Entry("kernels.torch_ref", "TorchPagedAttention", ("cpu", "cuda", "mps")),
-    "sdpa": _Entry("kernels.sdpa", "SdpaPagedAttention", ("cpu", "cuda", "mps")),
+    "torch": _Entry("specserve.kernels.torch_ref", "TorchPagedAttention", ("cpu", "cuda", "mps")),
+    "sdpa": _Entry("specserve.kernels.sdpa", "SdpaPagedAttention", ("cpu", "cuda", "mps")),
     # C++ (kernels/csrc/fused.cpp), float32, batch-invariant; auto picks it for quantized models
-    "cpu_paged": _Entry("kernels.cpu_paged", "CpuPagedAttention", ("cpu",)),
+    "cpu_paged": _Entry("specserve.kernels.cpu_paged", "CpuPagedAttention", ("cpu",)),
     # Triton's CPU interpreter (TRITON_INTERPRET=1) is for tests only: construct the class
     # directly there; the registry offers it on CUDA.
-    "triton": _Entry("kernels.triton_paged", "TritonPagedAttention", ("cuda",), "triton"),
+    "triton": _Entry("specserve.kernels.triton_paged", "TritonPagedAttention", ("cuda",), "triton"),
     "flash_attn": _Entry(
-        "kernels.flash_attn_backend", "FlashAttnPagedAttention", ("cuda",), "flash-attn"
+        "specserve.kernels.flash_attn_backend", "FlashAttnPagedAttention", ("cuda",), "flash-attn"
     ),
 }
 # Preference order for `auto` on each device type.

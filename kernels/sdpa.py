@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
-from kernels.torch_ref import _gather, write_kv
+from specserve.kernels.metadata import AttentionMetadata
+from specserve.kernels.torch_ref import _gather, write_kv
 
 # Sequences with at most this many new tokens are attended together in one padded call.
 _BATCHED_MAX_QUERY = 16

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import AttentionMetadata
+from specserve.kernels.metadata import AttentionMetadata
 
 # Sequences with at most this many new tokens are attended together in one padded call.
 _BATCHED_MAX_QUERY = 16

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata
+from specserve.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 

@@ -6,11 +6,11 @@ of a 30-layer model are one group. Each candidate is timed over up to ``modules_
 modules of its group in turn (distinct weights, so as cold in cache as in a real forward),
 candidates interleaved, the median of ``repeats`` kept.
 
-Candidates: for dense float projections the entries of ``kernels.linear.DENSE_KERNELS``; for
-block-quantized ones the rows each unpacked weight block is shared by (1, 2 or 4; the numbers are
-identical, only the speed differs). The table also gives the measured cost of all projections
-of one forward per row count (``projection_seconds``), which the speculation policy uses to
-price steps it has not measured yet.
+Candidates: for dense float projections the entries of ``specserve.kernels.linear.DENSE_KERNELS``;
+for block-quantized ones the rows each unpacked weight block is shared by (1, 2 or 4; the numbers
+are identical, only the speed differs). The table also gives the measured cost of all projections of
+one forward per row count (``projection_seconds``), which the speculation policy uses to price steps
+it has not measured yet.
 
 Cache: ``$SPECSERVE_CACHE_DIR/tune/<sha of CPU model, torch version, threads, model>.json``.
 """
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels import quant_ext
-from kernels.linear import DENSE_KERNELS, DenseLinear, RowPlan
-from kernels.quant import BlockQuantLinear
+from specserve.kernels import quant_ext
+from specserve.kernels.linear import DENSE_KERNELS, DenseLinear, RowPlan
+from specserve.kernels.quant import BlockQuantLinear
 
 log = logging.getLogger(__name__)
 

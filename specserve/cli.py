@@ -13,8 +13,8 @@ import time
 
 import msgspec
 
-from distill.cli import add_distill_parser, cmd_distill
 from specserve.config import EngineConfig
+from specserve.distill.cli import add_distill_parser, cmd_distill
 from specserve.errors import SpecServeError
 
 # field -> (help, argparse type). Order is the order --help shows.

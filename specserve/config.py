@@ -22,7 +22,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # small LM with the target's tokenizer, for method "draft"; None: the shipped draft when the
     # target is the built-in model; "none": no draft
     draft_model: str | None = None
-    # a draft.registry name (draft | ngram | suffix), auto or off; None = draft if a draft is set
+    # a specserve.draft.registry name (draft | ngram | suffix), auto or off; None = draft if a
+    # draft is set
     speculative_method: str | None = None
     num_speculative_tokens: int = 4  # k_max: the most draft tokens verified per step
     adaptive_speculation: bool = True  # choose k <= k_max per sequence and step from costs
@@ -56,7 +57,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self.validate()
 
     def validate(self) -> None:
-        from draft.registry import REGISTRY
+        from specserve.draft.registry import REGISTRY
 
         methods = REGISTRY.methods()
         if self.speculative_method is not None and self.speculative_method not in methods:

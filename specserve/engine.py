@@ -14,14 +14,14 @@ from collections.abc import Iterable
 
 import torch
 
-from draft.eagle_head import EagleHead, EagleRunner, is_eagle_dir, load_head
-from kernels import quant_ext
-from kernels.metadata import AttentionMetadata, token_positions
-from kernels.registry import get_attention_backend
-from kernels.tuner import KernelTuner, TuneTable, default_row_counts
 from specserve.block_manager import BlockManager
 from specserve.config import EngineConfig
+from specserve.draft.eagle_head import EagleHead, EagleRunner, is_eagle_dir, load_head
 from specserve.errors import ConfigError, InvalidRequestError
+from specserve.kernels import quant_ext
+from specserve.kernels.metadata import AttentionMetadata, token_positions
+from specserve.kernels.registry import get_attention_backend
+from specserve.kernels.tuner import KernelTuner, TuneTable, default_row_counts
 from specserve.output_processor import RequestState
 from specserve.outputs import OutputMerger, RequestOutput
 from specserve.sampling import SampleRequest
@@ -29,11 +29,11 @@ from specserve.sampling_params import SamplingParams, SpeculativeParams
 from specserve.scheduler import ScheduledBatch, Scheduler
 from specserve.sequence import Sequence
 from specserve.speculator import Speculator
+from specserve.target.loader import build_model, cache_root, check_draft_compatible
+from specserve.target.model_runner import ModelRunner
+from specserve.target.quantize import quantize_model, resolve_quantization
 from specserve.tokenizer import IncrementalDetokenizer, apply_chat_template
 from specserve.tracing import NullTracer, Tracer
-from target.loader import build_model, cache_root, check_draft_compatible
-from target.model_runner import ModelRunner
-from target.quantize import quantize_model, resolve_quantization
 
 log = logging.getLogger(__name__)
 

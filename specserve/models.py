@@ -10,7 +10,7 @@
 
 Tokenizers come from the model through transformers. A GGUF's tokenizer is rebuilt from its
 metadata (~8 s for SmolLM2), so it is saved once in the GGUF's cache folder (see
-``target.loader``) and read from there afterwards.
+``specserve.target.loader``) and read from there afterwards.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve.errors import ModelLoadError
-from target.loader import gguf_cache_dir, is_gguf, write_dir_atomically
+from specserve.target.loader import gguf_cache_dir, is_gguf, write_dir_atomically
 
 log = logging.getLogger(__name__)
 

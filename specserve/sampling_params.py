@@ -85,7 +85,7 @@ class SpeculativeParams:
     tenant: str = ""
 
     def __post_init__(self) -> None:
-        from draft.registry import REGISTRY
+        from specserve.draft.registry import REGISTRY
 
         methods = REGISTRY.methods()
         if self.method is not None and self.method not in methods:

@@ -58,8 +58,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    # Speculation: method for this request (a draft.registry name, "auto" or "off"), its most
-    # draft tokens per step, the method and k chosen for the next step (auto picks per step),
+    # Speculation: method for this request (a specserve.draft.registry name, "auto" or "off"), its
+    # most draft tokens per step, the method and k chosen for the next step (auto picks per step),
     # how many tokens the draft model has KV for, and the tenant whose cached outputs may feed
     # its drafts (the API key's; "" on a single-tenant server).
     spec_method: str = "off"

@@ -7,13 +7,13 @@
     after_verify()    acceptance statistics, proposer-KV bookkeeping
     forget()          the sequence ended: proposers drop its state (and may learn from it)
 
-Proposers come from ``draft.registry`` by name; nothing here names a particular one. Proposers
-without a model (n-gram, suffix) only read tokens, so they draft already in ``choose_k``: the
-policy then sees each sequence's real draft length (k never exceeds it) and ``auto`` sees what
-a cheap proposer has to offer before it pays for a draft model. ``auto`` picks, per sequence and
-step, the method with the best expected goodput: expected tokens per verify (from the draft's
-length and the sequence's measured acceptance for that method) over the step's cost (verify rows,
-plus the draft model's sequential forwards); the batch policy then cuts k, to 0 when nothing pays.
+Proposers come from ``specserve.draft.registry`` by name; nothing here names a particular one.
+Proposers without a model (n-gram, suffix) only read tokens, so they draft already in ``choose_k``:
+the policy then sees each sequence's real draft length (k never exceeds it) and ``auto`` sees what a
+cheap proposer has to offer before it pays for a draft model. ``auto`` picks, per sequence and step,
+the method with the best expected goodput: expected tokens per verify (from the draft's length and
+the sequence's measured acceptance for that method) over the step's cost (verify rows, plus the
+draft model's sequential forwards); the batch policy then cuts k, to 0 when nothing pays.
 
 A model-free proposer's host time is measured per call and priced by the policy. A sequence the
 policy keeps at k = 0 does not call its proposer for the next 1, 2, 4, .. 16 steps (``_idle``),
@@ -30,16 +30,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft.base import DraftSampling, FinishedSequence, PrefillChunk, ProposalRequest, Proposer
-from draft.registry import AUTO, OFF, REGISTRY, ProposerContext, ProposerRegistry
-from draft.suffix import SuffixOptions
 from specserve.config import EngineConfig
+from specserve.draft.base import (
+    DraftSampling,
+    FinishedSequence,
+    PrefillChunk,
+    ProposalRequest,
+    Proposer,
+)
+from specserve.draft.registry import AUTO, OFF, REGISTRY, ProposerContext, ProposerRegistry
+from specserve.draft.suffix import SuffixOptions
 from specserve.rejection_sampler import SpecDecodeResult, SpecDecodeRow, rejection_sample
 from specserve.sampling import SampleRequest, sampling_probs
 from specserve.scheduler import ScheduledBatch, ScheduledSeq
 from specserve.sequence import Sequence
 from specserve.spec_policy import Candidate, SpeculationPolicy, expected_tokens
-from target.model import FeatureCapture
+from specserve.target.model import FeatureCapture
 
 _AUTO_CHEAP = "suffix"  # auto's model-free candidate (suffix decoding subsumes prompt lookup)
 _EAGLE = "eagle"  # the proposer that reads the target's hidden states
@@ -61,7 +67,7 @@ class Speculator:
         self, config: EngineConfig, draft_runner, generator: torch.Generator,
         projection_seconds: Callable[[int], float | None] | None = None,  # see SpeculationPolicy
         registry: ProposerRegistry = REGISTRY,
-        eagle_runner=None,  # draft.eagle_head.EagleRunner when an EAGLE head is loaded
+        eagle_runner=None,  # specserve.draft.eagle_head.EagleRunner when an EAGLE head is loaded
     ) -> None:
         self.config = config
         self.registry = registry

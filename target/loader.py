@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from specserve.errors import ModelLoadError, UnsupportedArchitectureError
-from target.config import ModelConfig, check_architecture
-from target.model import CausalLM
+from specserve.target.config import ModelConfig, check_architecture
+from specserve.target.model import CausalLM
 
 log = logging.getLogger(__name__)
 

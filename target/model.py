@@ -19,13 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear import DenseLinear
-from kernels.metadata import AttentionMetadata
-from kernels.norm import rms_norm
-from kernels.registry import AttentionBackend
-from kernels.rotary import RotaryEmbedding, apply_rotary
 from specserve.errors import ModelLoadError
-from target.config import ModelConfig
+from specserve.kernels.linear import DenseLinear
+from specserve.kernels.metadata import AttentionMetadata
+from specserve.kernels.norm import rms_norm
+from specserve.kernels.registry import AttentionBackend
+from specserve.kernels.rotary import RotaryEmbedding, apply_rotary
+from specserve.target.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, KVH, D]
 
@@ -39,7 +39,7 @@ class FeatureCapture:
     layers: tuple[int, ...]
     rows: torch.Tensor  # [R] int64 rows of the flattened batch
     out: torch.Tensor | None = None
-# The fused float32 CPU ops of kernels/csrc/fused.cpp (kernels.quant_ext.load()), or None.
+# The fused float32 CPU ops of kernels/csrc/fused.cpp (specserve.kernels.quant_ext.load()), or None.
 FusedOps = Any
 
 
@@ -190,7 +190,7 @@ class DecoderLayer(nn.Module):
         if plan is None:
             return None
         if self._layer_args is None:
-            from kernels.quant import BlockQuantLinear
+            from specserve.kernels.quant import BlockQuantLinear
 
             a, m = self.self_attn, self.mlp
             ln1, ln2 = self.input_layernorm, self.post_attention_layernorm

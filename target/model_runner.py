@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata
-from kernels.registry import AttentionBackend, get_attention_backend
-from target.config import ModelConfig
-from target.model import CausalLM, FeatureCapture, KVCache
+from specserve.kernels.metadata import AttentionMetadata
+from specserve.kernels.registry import AttentionBackend, get_attention_backend
+from specserve.target.config import ModelConfig
+from specserve.target.model import CausalLM, FeatureCapture, KVCache
 
 
 class ModelRunner:

@@ -24,11 +24,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels import quant_ext
-from kernels.quant import BlockQuantLinear, BlockQuantWeight, from_gguf_blocks, gguf_format
-from kernels.quant import quantize as quantize_blocks
 from specserve.errors import ConfigError
-from target.model import CausalLM
+from specserve.kernels import quant_ext
+from specserve.kernels.quant import (
+    BlockQuantLinear,
+    BlockQuantWeight,
+    from_gguf_blocks,
+    gguf_format,
+)
+from specserve.kernels.quant import quantize as quantize_blocks
+from specserve.target.model import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +62,7 @@ def resolve_quantization(choice: str, model_path: str, device: torch.device) -> 
             raise ConfigError(f"quantization {choice} runs CPU kernels; use --quantization none "
                               f"on {device.type}")
         return choice
-    from target.loader import is_gguf
+    from specserve.target.loader import is_gguf
 
     return "gguf" if device.type == "cpu" and is_gguf(model_path) else "none"
 
@@ -131,7 +136,7 @@ def quantize_model(model: CausalLM, mode: str, model_path: str) -> dict[str, str
     ``int8``; ``none`` does nothing). Returns module name -> format, for the log and tests."""
     if mode == "none":
         return {}
-    from target.loader import is_gguf
+    from specserve.target.loader import is_gguf
 
     native = gguf_block_weights(model_path, model) if is_gguf(model_path) else {}
     want = _FORMAT_OF.get(mode)  # None: the file's own formats

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import registry
-from kernels.metadata import AttentionMetadata
-from kernels.registry import get_attention_backend
 from specserve.errors import ConfigError
+from specserve.kernels import registry
+from specserve.kernels.metadata import AttentionMetadata
+from specserve.kernels.registry import get_attention_backend
 
 
 @dataclass
@@ -203,12 +203,12 @@ def test_auto_on_cuda_falls_back_with_one_line_per_skip(monkeypatch, caplog):
     real = registry.importlib.import_module
 
     def fake_import(module):
-        if module in ("kernels.flash_attn_backend", "kernels.triton_paged"):
+        if module in ("specserve.kernels.flash_attn_backend", "specserve.kernels.triton_paged"):
             raise ImportError(f"No module named {module.split('.')[-1]!r}")
         return real(module)
 
     monkeypatch.setattr(registry.importlib, "import_module", fake_import)
-    with caplog.at_level(logging.INFO, logger="kernels.registry"):
+    with caplog.at_level(logging.INFO, logger="specserve.kernels.registry"):
         backend = get_attention_backend("auto", "cuda", block_size=256)
     assert backend.name == "sdpa"
     lines = [r.getMessage() for r in caplog.records]
@@ -220,7 +220,7 @@ def test_auto_on_cuda_falls_back_with_one_line_per_skip(monkeypatch, caplog):
 def test_auto_skips_flash_attn_for_an_unsupported_block_size(monkeypatch, caplog):
     import types
 
-    fake = types.ModuleType("kernels.flash_attn_backend")
+    fake = types.ModuleType("specserve.kernels.flash_attn_backend")
 
     class Fake:
         name = "flash_attn"
@@ -233,9 +233,9 @@ def test_auto_skips_flash_attn_for_an_unsupported_block_size(monkeypatch, caplog
     real = registry.importlib.import_module
     monkeypatch.setattr(
         registry.importlib, "import_module",
-        lambda m: fake if m == "kernels.flash_attn_backend" else real(m),
+        lambda m: fake if m == "specserve.kernels.flash_attn_backend" else real(m),
     )
-    with caplog.at_level(logging.INFO, logger="kernels.registry"):
+    with caplog.at_level(logging.INFO, logger="specserve.kernels.registry"):
         backend = get_attention_backend("auto", "cuda", block_size=16)
     assert backend.name in ("triton", "sdpa")
     assert any("block size 16" in r.getMessage() for r in caplog.records)

@@ -143,7 +143,7 @@ def test_transformers_reference_of_a_distilled_draft(tiny, tmp_path):
     the full model's logits, elsewhere the lowest logit (our reduced head's q = 0)."""
     from safetensors.torch import load_file, save_file
 
-    from target.loader import HEAD_IDS_KEY
+    from specserve.target.loader import HEAD_IDS_KEY
 
     src = load_file(f"{tiny}/model.safetensors")
     head_ids = torch.arange(3, 4000, 37)
@@ -415,7 +415,7 @@ def test_ngram_replay_counts_target_steps_exactly():
     assert replay(prompt, output, 3, empty, 1, 4) == 7
     # Steps 1 and 2 draft nothing (10 has no earlier copy, then 0 is new and so is the 10
     # before it); from the known 1 on, each step copies k tokens and the target adds one.
-    from draft.ngram import find_ngram_draft
+    from specserve.draft.ngram import find_ngram_draft
 
     copy_out = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     for rule in (no_edit_fallback, find_ngram_draft):
@@ -430,7 +430,7 @@ def test_oracle_proposer_cuts_drafts_to_the_accepted_prefix(tiny):
     """benchmarks/spec_ceiling.py's oracle: cut by hand-worked cases, then through the engine,
     where every cut draft must be accepted and the output stay plain decoding's."""
     from benchmarks.spec_ceiling import OracleProposer
-    from draft.base import Proposal, ProposalRequest, StatelessProposer
+    from specserve.draft.base import Proposal, ProposalRequest, StatelessProposer
     from specserve.engine import LLMEngine
     from specserve.sampling_params import SamplingParams, SpeculativeParams
 

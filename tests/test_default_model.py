@@ -34,7 +34,7 @@ def engine() -> LLMEngine:
 def hf_model(engine):
     from transformers import AutoModelForCausalLM
 
-    from target.loader import load_weights
+    from specserve.target.loader import load_weights
 
     hf_config, state_dict = load_weights(default_model_path())
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)

@@ -11,15 +11,15 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from distill.data import Prompt, TeacherData
-from distill.evaluate import EvalConfig, measure, run_eval
-from distill.run import DistillConfig, run_distill
-from distill.student import StudentSpec, build_student, choose_head_vocab, save_student
-from distill.train import TrainConfig, evaluate, head_lookup, make_batches
 from specserve.cli import main as cli_main
+from specserve.distill.data import Prompt, TeacherData
+from specserve.distill.evaluate import EvalConfig, measure, run_eval
+from specserve.distill.run import DistillConfig, run_distill
+from specserve.distill.student import StudentSpec, build_student, choose_head_vocab, save_student
+from specserve.distill.train import TrainConfig, evaluate, head_lookup, make_batches
 from specserve.errors import ModelLoadError
 from specserve.sampling_params import SamplingParams, SpeculativeParams
-from target.loader import load_weights
+from specserve.target.loader import load_weights
 from tests.test_engine import BASE, build_model_dir, hf_greedy
 from tests.test_spec_decode import chi_square, exact_second_token_distribution, make
 

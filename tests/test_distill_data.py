@@ -10,9 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill import corpus
-from distill.data import Conversation, Prompt, TeacherData, generate_teacher_data, load_prompts
 from specserve.cli import main as cli_main
+from specserve.distill import corpus
+from specserve.distill.data import (
+    Conversation,
+    Prompt,
+    TeacherData,
+    generate_teacher_data,
+    load_prompts,
+)
 from specserve.errors import ConfigError
 from tests.test_engine import hf_greedy
 from tests.test_spec_decode import make

@@ -15,19 +15,19 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from distill.data import TeacherData
-from distill.eagle_build import build_head, save_head
-from distill.eagle_train import Batch, EagleTrainConfig, Teacher, train_head
-from distill.eagle_ttt import ttt_forward
-from draft.eagle_head import EagleRunner, default_target_layers
-from kernels.metadata import AttentionMetadata, token_positions
-from kernels.registry import get_attention_backend
 from specserve.config import EngineConfig
+from specserve.distill.data import TeacherData
+from specserve.distill.eagle_build import build_head, save_head
+from specserve.distill.eagle_train import Batch, EagleTrainConfig, Teacher, train_head
+from specserve.distill.eagle_ttt import ttt_forward
+from specserve.draft.eagle_head import EagleRunner, default_target_layers
 from specserve.engine import LLMEngine
 from specserve.errors import ConfigError
+from specserve.kernels.metadata import AttentionMetadata, token_positions
+from specserve.kernels.registry import get_attention_backend
 from specserve.sampling_params import SamplingParams, SpeculativeParams
-from target.loader import load_weights
-from target.model import FeatureCapture
+from specserve.target.loader import load_weights
+from specserve.target.model import FeatureCapture
 from tests.test_engine import BASE, build_model_dir, hf_greedy, prompts
 from tests.test_spec_decode import chi_square, exact_second_token_distribution
 
@@ -198,7 +198,7 @@ def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
 
 
 def test_cli_trains_from_tokens_only_shards_resumes_and_evaluates(text_model, tmp_path):
-    from distill.cli import add_distill_parser, cmd_distill
+    from specserve.distill.cli import add_distill_parser, cmd_distill
 
     data = teacher_data(text_model, 24, 10, 24, seed=7)
     shards = tmp_path / "shards"

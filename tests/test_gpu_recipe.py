@@ -6,11 +6,14 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import subprocess
+import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 
-from distill import gpu_recipe
+from specserve.distill import gpu_recipe
 
 
 @pytest.fixture
@@ -63,3 +66,17 @@ def test_results_come_back_in_pieces_that_rejoin(tmp_path, monkeypatch):
         assert t.extractfile("data/shard-00000.pt").read() == payload
     assert "hello" in (tmp_path / "out" / "recipe.log").read_text()
     assert (tmp_path / "out" / "speeds.json").is_file()
+
+
+def test_the_recipe_runs_uninstalled_from_the_tree(tmp_path):
+    """Call 2 as the GPU machine runs it: the bare tree, no install (-S: no site-packages), the
+    printed command from the repo root; the part lands in the store."""
+    root = Path(gpu_recipe.__file__).resolve().parent.parent
+    part = tmp_path / "part-2-of-3"
+    part.write_bytes(b"abc")
+    python, flag, module = gpu_recipe.RECIPE.split()
+    assert (python, flag) == ("python3", "-m")
+    env = {**os.environ, "SPECSERVE_RECIPE_STORE": str(tmp_path / "store")}
+    subprocess.run([sys.executable, "-S", "-m", module, "store", str(part)], cwd=root, env=env,
+                   check=True, capture_output=True)
+    assert (tmp_path / "store" / "part-2-of-3").read_bytes() == b"abc"

@@ -1,6 +1,6 @@
-"""target.loader and specserve.models: error messages, a tiny GGUF written here (F32 tensors,
-llama.cpp's q/k row permutation, a byte-level BPE tokenizer) loaded like transformers loads it,
-and the GGUF cache (hit, identical tensors, invalidation when the file changes)."""
+"""specserve.target.loader and specserve.models: error messages, a tiny GGUF written here (F32
+tensors, llama.cpp's q/k row permutation, a byte-level BPE tokenizer) loaded like transformers
+loads it, and the GGUF cache (hit, identical tensors, invalidation when the file changes)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from specserve.errors import ModelLoadError, UnsupportedArchitectureError
 from specserve.models import load_tokenizer, resolve_model_path
-from target.config import ModelConfig
-from target.loader import build_model, gguf_cache_dir, load_weights
+from specserve.target.config import ModelConfig
+from specserve.target.loader import build_model, gguf_cache_dir, load_weights
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CONFIG = dict(
@@ -75,7 +75,7 @@ def test_missing_and_unexpected_weights(tmp_path):
     hf_config, state_dict = load_weights(tmp_path)
     del state_dict["model.layers.1.self_attn.k_proj.weight"]
     state_dict["model.layers.0.extra.weight"] = torch.zeros(1)
-    from target.model import CausalLM
+    from specserve.target.model import CausalLM
 
     model = CausalLM(ModelConfig.from_hf(hf_config), device="meta")
     with pytest.raises(ModelLoadError, match=r"missing weights model\.layers\.1\.self_attn\."

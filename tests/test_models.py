@@ -1,6 +1,7 @@
 """Our CausalLM against transformers: tiny random Llama/Mistral/Qwen2/Qwen3 models saved with
-save_pretrained, loaded through target.loader, run over a paged KV cache (block size 4, shuffled
-block ids) in flattened mixed batches; every logits row must match transformers' forward."""
+save_pretrained, loaded through specserve.target.loader, run over a paged KV cache (block size 4,
+shuffled block ids) in flattened mixed batches; every logits row must match transformers'
+forward."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from kernels.metadata import AttentionMetadata
-from kernels.registry import get_attention_backend
-from target.loader import build_model, load_weights
-from target.model_runner import ModelRunner
+from specserve.kernels.metadata import AttentionMetadata
+from specserve.kernels.registry import get_attention_backend
+from specserve.target.loader import build_model, load_weights
+from specserve.target.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -192,8 +193,8 @@ def test_default_model_matches_transformers():
     from transformers.initialization import no_init_weights
 
     from specserve.models import resolve_model_path
-    from target.config import ModelConfig
-    from target.model import CausalLM
+    from specserve.target.config import ModelConfig
+    from specserve.target.model import CausalLM
 
     hf_config, state_dict = load_weights(resolve_model_path(None))
     with no_init_weights():  # skip 135M random inits; every weight is loaded below
@@ -226,7 +227,7 @@ def test_default_model_matches_transformers():
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 32, 33, 100, 128, 129])
 def test_dense_kernels_match_float64(rows):
     """Every candidate the tuner may choose computes the same product."""
-    from kernels.linear import DENSE_KERNELS
+    from specserve.kernels.linear import DENSE_KERNELS
 
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 48, generator=g)

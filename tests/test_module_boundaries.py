@@ -1,20 +1,29 @@
-"""Module boundaries that keep the front end free of import cycles: the WebSocket, the
-playground and the shared request plumbing (api.py) never import the REST module."""
+"""Module boundaries: the front end is free of import cycles (the WebSocket, the playground and
+the shared request plumbing in api.py never import the REST module), and everything is imported
+under the one installed package, ``specserve`` (kernels/, target/, draft/ and distill/ install as
+``specserve.kernels`` etc.; see pyproject.toml)."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parent.parent / "specserve"
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "specserve"
+# folder at the repo root -> the package it installs as
+SUBPACKAGES = {name: f"specserve.{name}" for name in ("kernels", "target", "draft", "distill")}
+SOURCE_DIRS = ["specserve", *SUBPACKAGES, "benchmarks", "tests"]
 
 
 def imported_modules(path: Path) -> set[str]:
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
@@ -29,3 +38,44 @@ def test_front_end_modules_do_not_import_server(name):
 def test_api_imports_no_transport():
     mods = imported_modules(PKG / "api.py")
     assert not mods & {"specserve.ws", "specserve.playground", "specserve.server"}
+
+
+def test_nothing_imports_the_folders_as_top_level_packages():
+    """`from kernels.metadata import ...` would still run from the repo root (the folder is on
+    sys.path there) but load a second copy of the module (two AttentionMetadata classes) and
+    fail once installed, where no top-level `kernels` exists."""
+    bad = []
+    for folder in SOURCE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for mod in imported_modules(path):
+                if mod.split(".")[0] in SUBPACKAGES:
+                    bad.append(f"{path.relative_to(ROOT)}: {mod}")
+    assert not bad, "import these as specserve.<name>: " + "; ".join(bad)
+
+
+def test_install_layout_is_one_top_level_package():
+    """pyproject maps each folder to specserve.<folder>, lists every package (a folder with
+    __init__.py) so the wheel holds it, and installs nothing else at the top level."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python >= 3.11")
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dir = tool["package-dir"]
+    assert package_dir == {pkg: folder for folder, pkg in SUBPACKAGES.items()}
+    on_disk = {"specserve"} | {
+        ".".join((SUBPACKAGES[init.relative_to(ROOT).parts[0]],
+                  *init.relative_to(ROOT).parts[1:-1]))
+        for folder in SUBPACKAGES for init in (ROOT / folder).rglob("__init__.py")
+    }
+    assert set(tool["packages"]) == on_disk
+    assert {p.split(".")[0] for p in tool["packages"]} == {"specserve"}
+    assert set(tool["package-data"]) <= set(tool["packages"])
+
+
+def test_a_checkout_imports_its_own_folders(tmp_path):
+    """Run from a checkout (even beside another tree's editable install), specserve.kernels etc.
+    are this checkout's folders. -S: no site-packages, hence no editable install to lean on."""
+    code = ("import specserve.kernels, specserve.target, specserve.draft, specserve.distill as d; "
+            "print(d.__file__)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert Path(out.strip()) == ROOT / "distill" / "__init__.py"

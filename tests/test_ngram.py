@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draft.base import Proposal, ProposalRequest, Proposer
-from draft.ngram import NgramProposer, find_ngram_draft
+from specserve.draft.base import Proposal, ProposalRequest, Proposer
+from specserve.draft.ngram import NgramProposer, find_ngram_draft
 
 
 def reference_continuation(tokens: list[int], min_n: int, max_n: int) -> int | None:

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from kernels.metadata import AttentionMetadata
-from kernels.registry import get_attention_backend
 from specserve.errors import ConfigError
+from specserve.kernels.metadata import AttentionMetadata
+from specserve.kernels.registry import get_attention_backend
 
 
 def dense_reference(q, keys, values, q_positions, sliding_window):

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import quant_ext
-from kernels.quant import BlockQuantLinear, from_gguf_blocks, quantize
+from specserve.kernels import quant_ext
+from specserve.kernels.quant import BlockQuantLinear, from_gguf_blocks, quantize
 
 ext = quant_ext.load()  # make test installs the compiler toolchain; a build failure fails here
 
@@ -51,8 +51,8 @@ def test_default_model_blocks_equal_transformers_weights():
     """The built-in GGUF's Q4_1 projections (q/k un-permuted, fused) and its Q8_0 table, loaded
     natively, dequantize bit for bit to the float tensors transformers' GGUF loader produces."""
     from specserve.models import default_model_path
-    from target.loader import build_model, load_weights
-    from target.quantize import gguf_block_weights
+    from specserve.target.loader import build_model, load_weights
+    from specserve.target.quantize import gguf_block_weights
 
     path = default_model_path()
     cfg, model = build_model(path, torch.float32, "cpu")
@@ -123,7 +123,7 @@ def test_fused_ops_match_float64():
 
 
 def test_fused_rotary_equals_reference_rotary():
-    from kernels.rotary import apply_rotary
+    from specserve.kernels.rotary import apply_rotary
 
     g = torch.Generator().manual_seed(4)
     H, KVH, D, T = 4, 2, 16, 5
@@ -140,7 +140,7 @@ def test_fused_rotary_equals_reference_rotary():
 
 
 def _attention_case(seed: int, query_lens: list[int], ctx_lens: list[int], window: int | None):
-    from kernels.metadata import AttentionMetadata
+    from specserve.kernels.metadata import AttentionMetadata
 
     g = torch.Generator().manual_seed(seed)
     bs, H, KVH, D = 4, 4, 2, 16
@@ -165,8 +165,8 @@ def _attention_case(seed: int, query_lens: list[int], ctx_lens: list[int], windo
 def test_cpu_paged_attention_matches_float64_reference(window):
     """Against the torch reference backend run in float64 on the same inputs; mixed decode,
     verify and a long prefill (which takes the SDPA path) in one step."""
-    from kernels.cpu_paged import CpuPagedAttention
-    from kernels.torch_ref import TorchPagedAttention
+    from specserve.kernels.cpu_paged import CpuPagedAttention
+    from specserve.kernels.torch_ref import TorchPagedAttention
 
     q, k, v, kc, vc, meta, window = _attention_case(5, [1, 4, 20], [9, 13, 20], window)
     out = CpuPagedAttention(max_kernel_query=16).forward(q, k, v, kc, vc, meta, 0.25, window)
@@ -220,8 +220,8 @@ def test_fused_ops_are_batch_invariant():
 def test_cpu_paged_attention_verify_rows_equal_decode_rows(window):
     """A verify of k+1 tokens gives each row exactly what a one-token decode at that position
     gives (same cache), in a batch of other sequences or alone."""
-    from kernels.cpu_paged import CpuPagedAttention
-    from kernels.metadata import AttentionMetadata
+    from specserve.kernels.cpu_paged import CpuPagedAttention
+    from specserve.kernels.metadata import AttentionMetadata
 
     backend = CpuPagedAttention()
     q, k, v, kc, vc, meta, _ = _attention_case(9, [5, 1, 3], [12, 7, 10], window)
@@ -244,8 +244,8 @@ def test_cpu_paged_attention_verify_rows_equal_decode_rows(window):
 def test_tuner_picks_the_faster_candidate_and_caches(tmp_path, monkeypatch):
     """One candidate made artificially slow: the tuner must choose the other at every row
     count, write the table, and a second tuner must read it back without timing anything."""
-    from kernels import linear, tuner
-    from kernels.linear import DenseLinear
+    from specserve.kernels import linear, tuner
+    from specserve.kernels.linear import DenseLinear
 
     def slow(x, w, b):  # 20 ms: far above a scheduler hiccup on a busy 2-core machine
         time.sleep(0.02)
@@ -276,7 +276,7 @@ def test_tuner_picks_the_faster_candidate_and_caches(tmp_path, monkeypatch):
 
 
 def test_row_plan_lookup():
-    from kernels.linear import RowPlan
+    from specserve.kernels.linear import RowPlan
 
     plan = RowPlan("linear")
     assert plan.get(7) == "linear"
@@ -363,11 +363,11 @@ def test_whole_layer_call_equals_the_per_op_path(text_model, monkeypatch):
     """``DecoderStack`` (every layer in one C++ call), ``decoder_layer_`` (one C++ call per
     layer) and the per-op fused path of target/model.py compute exactly the same logits, bit
     for bit, prefill, decode and verify rows."""
-    from kernels.cpu_paged import CpuPagedAttention
-    from kernels.metadata import AttentionMetadata, token_positions
-    from target.loader import build_model
-    from target.model_runner import ModelRunner
-    from target.quantize import quantize_model
+    from specserve.kernels.cpu_paged import CpuPagedAttention
+    from specserve.kernels.metadata import AttentionMetadata, token_positions
+    from specserve.target.loader import build_model
+    from specserve.target.model_runner import ModelRunner
+    from specserve.target.quantize import quantize_model
 
     cfg, model = build_model(text_model, torch.float32, "cpu")
     quantize_model(model, "int4", text_model)

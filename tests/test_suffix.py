@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from draft import suffix_trie_ext
-from draft.base import FinishedSequence, ProposalRequest
-from draft.suffix import SuffixOptions, SuffixProposer
-from draft.suffix_trie import SuffixTrie
+from specserve.draft import suffix_trie_ext
+from specserve.draft.base import FinishedSequence, ProposalRequest
+from specserve.draft.suffix import SuffixOptions, SuffixProposer
+from specserve.draft.suffix_trie import SuffixTrie
 
 # ---- the reference -------------------------------------------------------------------------
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from draft.base import ProposalRequest
-from draft.registry import REGISTRY, UnknownProposerError
 from specserve.config import EngineConfig
+from specserve.draft.base import ProposalRequest
+from specserve.draft.registry import REGISTRY, UnknownProposerError
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.sampling_params import SamplingParams, SpeculativeParams
 from tests.test_engine import hf_greedy, prompts

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from draft import suffix_trie_ext
-from draft.base import FinishedSequence, ProposalRequest
-from draft.suffix import SuffixOptions, SuffixProposer
+from specserve.draft import suffix_trie_ext
+from specserve.draft.base import FinishedSequence, ProposalRequest
+from specserve.draft.suffix import SuffixOptions, SuffixProposer
 from tests.test_suffix import random_text
 
 WORKLOADS = Path(__file__).parents[1] / "benchmarks" / "workloads"

@@ -2,7 +2,7 @@
 interpreter.
 
 ``TRITON_INTERPRET=1`` only takes effect if it is set before ``@triton.jit`` runs, i.e. before
-kernels.triton_paged is first imported, and another test in this process may already have
+specserve.kernels.triton_paged is first imported, and another test in this process may already have
 imported it. So the cases run in ONE subprocess started with the variable set (this module run
 as ``python -m tests.test_triton_kernel``), which prints each case's error as JSON; the tests
 here read that. Tiny shapes keep the interpreter's run to a few seconds per case.
@@ -56,8 +56,8 @@ def _cases() -> dict[str, dict]:
 
 def _run_all() -> dict[str, dict]:
     """Runs in the interpreter subprocess: every case, plus the padding-slot check."""
-    from kernels.metadata import AttentionMetadata
-    from kernels.triton_paged import _INTERPRETED, TritonPagedAttention
+    from specserve.kernels.metadata import AttentionMetadata
+    from specserve.kernels.triton_paged import _INTERPRETED, TritonPagedAttention
     from tests.test_backends import make_case, run_backend
 
     assert _INTERPRETED, "TRITON_INTERPRET=1 was not in effect"
@@ -126,7 +126,7 @@ def _compile_all() -> dict[str, str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import triton_paged as tp
+    from specserve.kernels import triton_paged as tp
 
     def build(fn, types, consts):
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
