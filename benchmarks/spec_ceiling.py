@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks.ab import run  # noqa: E402
 from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
+from specserve.config import EngineConfig  # noqa: E402
 from specserve.draft.base import (  # noqa: E402
     FinishedSequence,
     PrefillChunk,
@@ -38,7 +39,6 @@ from specserve.draft.base import (  # noqa: E402
     ProposalRequest,
     Proposer,
 )
-from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
 from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 
