@@ -65,6 +65,21 @@ def default_row_counts(k_max: int, max_num_seqs: int, max_batched: int) -> list[
     return sorted(c for c in counts if c <= min(max_batched, _MAX_TUNED_ROWS))
 
 
+def interpolate(points: dict[int, float], x: int) -> float:
+    """``points`` (count -> seconds) at ``x``: linear between the neighbours, the smallest
+    count's value below it, proportional to ``x`` above the largest."""
+    counts = sorted(points)
+    if x <= counts[0]:
+        return points[counts[0]]
+    if x >= counts[-1]:
+        return points[counts[-1]] * x / counts[-1]
+    hi = next(c for c in counts if c >= x)
+    lo = max(c for c in counts if c <= x)
+    if hi == lo:
+        return points[lo]
+    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+
+
 @dataclass
 class GroupResult:
     choice: dict[int, str] = field(default_factory=dict)  # rows -> candidate
@@ -77,17 +92,19 @@ class TuneTable:
     groups: dict[str, GroupResult] = field(default_factory=dict)
 
     def projection_seconds(self, rows: int) -> float | None:
-        """Measured seconds of every tuned projection of one forward at ``rows`` rows (the
-        nearest measured count at or below; None when nothing was measured)."""
+        """Measured seconds of every tuned projection of one forward at ``rows`` rows: linear
+        between the measured counts around it, proportional beyond the largest (None when
+        nothing was measured). Taking the count below instead priced the rows between two
+        measured counts as free (9 rows as 8), so the policy saw extra verify rows at no cost
+        exactly where a batch of 8 decides whether to draft."""
+        if not self.groups:
+            return None
         total = 0.0
         for g in self.groups.values():
-            counts = sorted(g.seconds)
-            below = [c for c in counts if c <= rows] or counts[:1]
-            if not below:
+            if not g.seconds:
                 return None
-            c = below[-1]
-            total += g.seconds[c] * (rows / c if rows > c else 1.0)
-        return total if self.groups else None
+            total += interpolate(g.seconds, rows)
+        return total
 
     def to_json(self) -> dict:
         return {

@@ -275,6 +275,21 @@ def test_tuner_picks_the_faster_candidate_and_caches(tmp_path, monkeypatch):
     assert again.projection_seconds(5) == pytest.approx(table.projection_seconds(5))
 
 
+def test_projection_seconds_interpolates_between_measured_counts():
+    """Hand-worked: linear between measured counts (9 rows are not priced as 8), the smallest
+    count below it, proportional above the largest; groups add up."""
+    from specserve.kernels.tuner import GroupResult, TuneTable
+
+    table = TuneTable({"a": GroupResult(seconds={1: 1.0, 8: 2.0, 16: 4.0}),
+                       "b": GroupResult(seconds={1: 0.5, 16: 0.5})})
+    assert table.projection_seconds(1) == pytest.approx(1.5)
+    assert table.projection_seconds(4) == pytest.approx(1.0 + 3 / 7 + 0.5)
+    assert table.projection_seconds(9) == pytest.approx(2.25 + 0.5)
+    assert table.projection_seconds(12) == pytest.approx(3.0 + 0.5)
+    assert table.projection_seconds(32) == pytest.approx(8.0 + 1.0)
+    assert TuneTable().projection_seconds(4) is None
+
+
 def test_row_plan_lookup():
     from specserve.kernels.linear import RowPlan
 
