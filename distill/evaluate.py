@@ -70,7 +70,7 @@ class Costs:
     verify: dict[int, float]  # k -> target step over k + 1 tokens / over 1 token
 
 
-def _median_seconds(fn, repeats: int = 20) -> float:
+def median_seconds(fn, repeats: int = 20) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -91,7 +91,7 @@ def _costs(engine, ks: list[int]) -> Costs:
         pos = token_positions([n], [ctx + n]).to(dev)
         ids = torch.full((n,), 42, device=dev)
         last = torch.arange(n, device=dev)
-        return _median_seconds(lambda: engine.runner.forward(ids, pos, meta, last))
+        return median_seconds(lambda: engine.runner.forward(ids, pos, meta, last))
 
     meta = AttentionMetadata.build([1], [ctx], [table], bs, dev)
     ids, pos, last = (torch.tensor([v], device=dev) for v in (42, ctx - 1, 0))
@@ -99,7 +99,7 @@ def _costs(engine, ks: list[int]) -> Costs:
     if "eagle" in spec.proposers:
         runner = spec.proposers["eagle"].runner
         feat = torch.zeros((1, runner.head.config.hidden_size), device=dev,
-                           dtype=runner.head.fc.weight.dtype)
+                           dtype=runner.head.dtype)
 
         def draft() -> None:
             out = runner.step(ids, feat, pos, meta)
@@ -111,7 +111,7 @@ def _costs(engine, ks: list[int]) -> Costs:
         def draft() -> None:
             draft_runner.forward(ids, pos, meta, last)
     one = target_step(1)
-    return Costs(_median_seconds(draft) / one, {k: target_step(k + 1) / one for k in ks})
+    return Costs(median_seconds(draft) / one, {k: target_step(k + 1) / one for k in ks})
 
 
 @dataclass(frozen=True)
