@@ -20,9 +20,11 @@ features in the next step 0 (worked example: n = 10, k = 3, 2 accepted + bonus: 
 feeds positions 10, 11, 12 with target features of 9, 10, 11).
 
 Prefill runs the head one chunk behind the target (a chunk's features come only after the
-target's forward); step 0 feeds the rest. Features of positions the target skipped
-(prefix-cache hits on blocks whose head KV was not written) are missing: the head uses zeros
-there, which costs acceptance, never correctness.
+target's forward); step 0 feeds the rest. The engine never lets an EAGLE sequence hit
+prefix-cache blocks whose head KV is not written (``Sequence.draft_kv_from_target``): the target
+recomputes them and so hands over their features. Where a feature is still missing (the
+sequence's features were dropped, e.g. a gap), the head uses zeros: that costs acceptance,
+never correctness.
 """
 
 from __future__ import annotations

@@ -254,6 +254,8 @@ class LLMEngine:
         params.validate()
         seq = Sequence(next(self._seq_ids), request_id, ids, params)
         seq.spec_method, seq.spec_k_max = self._resolve_speculation(speculative)
+        seq.draft_kv_from_target = (self.eagle_head is not None
+                                    and seq.spec_method in ("eagle", "auto"))
         seq.spec_tenant = speculative.tenant if speculative else ""
         detok = None
         if self.tokenizer is not None:

@@ -160,6 +160,27 @@ def test_quantized_target_runs_a_quantized_head_and_stays_lossless(target):
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
 
 
+def test_prefix_hits_from_plain_requests_do_not_starve_the_head_of_features(target):
+    """A plain request fills the prefix cache with target KV only; the head's KV for those
+    blocks can be rebuilt only from the target's hidden states, which a prefix hit skips. So an
+    EAGLE request stops its hit at such blocks and drafts exactly as on a cold cache; a later
+    EAGLE request does hit the blocks the first one wrote."""
+    path, head, hf = target
+    prompt = prompts([50], seed=7)[0]
+    spec = SpeculativeParams("eagle", 4)
+    cold = make(path, head, enable_prefix_caching=False).generate([prompt], GREEDY, spec)[0]
+    engine = make(path, head, enable_prefix_caching=True)
+    engine.generate([prompt], GREEDY, SpeculativeParams("off"))
+    bm = engine.block_manager
+    hits_before = bm.prefix_hits
+    warm = engine.generate([prompt], GREEDY, spec)[0]
+    assert bm.prefix_hits == hits_before  # no hit on blocks without the head's KV
+    assert warm.token_ids == cold.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+    assert warm.new_from_draft == cold.new_from_draft  # the same drafts, accepted alike
+    again = engine.generate([prompt], GREEDY, spec)[0]
+    assert bm.prefix_hits > hits_before and again.token_ids == cold.token_ids
+
+
 def test_sampled_distribution_equals_target_with_eagle(target):
     """The second token comes out of a k = 1 verify step: its distribution must equal the
     target's exact float64 marginal."""
