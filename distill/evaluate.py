@@ -61,6 +61,7 @@ class EvalRow:
     predicted_speedup: float = 0.0
     measured_speedup: float = 0.0
     plain_tokens: int = 0  # output tokens of the paired plain run
+    prompts: int = 0  # prompts decoded (fewer than asked when the held-out set has fewer)
     greedy_mismatches: int = 0  # greedy prompts whose speculative tokens differ from plain's
 
 
@@ -213,7 +214,7 @@ def measure(cfg: EvalConfig, folder: str | None = None, method: str = "draft",
                 per_position=_per_position(outs, k),
                 predicted_speedup=tpv / (k * costs.draft + costs.verify[k]),
                 measured_speedup=speedup, plain_tokens=base.tokens,
-                greedy_mismatches=mismatches,
+                greedy_mismatches=mismatches, prompts=len(chats),
             ))
             print(f"{method} temperature {temp} k {k}: acceptance {rows[-1].acceptance:.3f}, "
                   f"tokens/verify {tpv:.2f}, speedup predicted "
@@ -236,10 +237,11 @@ def render(rows: list[EvalRow], cost: float, cfg: EvalConfig) -> str:
             cells += [" ".join(f"{a:.2f}" for a in r.per_position), f"{r.mean_accepted_length:.2f}",
                       f"{r.predicted_speedup:.2f}x", f"{r.measured_speedup:.2f}x"]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
-    batch = cfg.max_num_seqs or cfg.num_prompts
+    num_prompts = rows[0].prompts if rows else cfg.num_prompts
+    batch = min(cfg.max_num_seqs or num_prompts, num_prompts)
     lines += [
         "",
-        f"{cfg.num_prompts} held-out {cfg.category + ' ' if cfg.category else ''}prompts of "
+        f"{num_prompts} held-out {cfg.category + ' ' if cfg.category else ''}prompts of "
         f"{cfg.prompts.name}, {cfg.max_tokens} new tokens "
         f"each, fixed k, dtype {cfg.dtype}, batch {batch}. Draft step costs {cost:.3f}x a "
         f"target step (batch 1). Predicted: single stream, from tokens/verify and measured step "
