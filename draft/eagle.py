@@ -20,9 +20,11 @@ features in the next step 0 (worked example: n = 10, k = 3, 2 accepted + bonus: 
 feeds positions 10, 11, 12 with target features of 9, 10, 11).
 
 Prefill runs the head one chunk behind the target (a chunk's features come only after the
-target's forward); step 0 feeds the rest. Features of positions the target skipped
-(prefix-cache hits on blocks whose head KV was not written) are missing: the head uses zeros
-there, which costs acceptance, never correctness.
+target's forward); step 0 feeds the rest. The engine never lets an EAGLE sequence hit
+prefix-cache blocks whose head KV is not written (``Sequence.draft_kv_from_target``): the target
+recomputes them and so hands over their features. Where a feature is still missing (the
+sequence's features were dropped, e.g. a gap), the head uses zeros: that costs acceptance,
+never correctness.
 """
 
 from __future__ import annotations
@@ -91,10 +93,21 @@ class EagleProposer:
     def add_features(self, seq_id: int, start: int, layer_feats: torch.Tensor) -> None:
         """The target's hidden states ([m, len(target_layers) * hidden]) at positions
         [start, start + m) of one sequence, from the forward that just ran."""
+        self.add_feature_spans([(seq_id, start, layer_feats.shape[0])], layer_feats)
+
+    def add_feature_spans(self, spans: list[tuple[int, int, int]],
+                          layer_feats: torch.Tensor) -> None:
+        """Several sequences' hidden states laid back to back: ``spans`` holds (seq id, first
+        position, rows) in the order of ``layer_feats``' rows. One ``fc`` for all of them."""
         with torch.inference_mode():
-            rows = self.head.fuse(layer_feats)
-        run = self.features.get(seq_id)
-        self.features[seq_id] = FeatureRun(start, rows) if run is None else run.put(start, rows)
+            fused = self.head.fuse(layer_feats)  # [sum rows, hidden]
+        at = 0
+        for seq_id, start, m in spans:
+            rows = fused[at : at + m]
+            at += m
+            run = self.features.get(seq_id)
+            self.features[seq_id] = (FeatureRun(start, rows) if run is None
+                                     else run.put(start, rows))
 
     def prefill(self, chunks: list[PrefillChunk]) -> list[int]:
         """Catches the head's KV up on ``[kv_computed, end)`` as far as target features exist:
@@ -144,7 +157,7 @@ class EagleProposer:
         while active:
             t0 = time.perf_counter()
             ids, q_lens, ctx_lens, tables, feats = [], [], [], [], []
-            for row, i in enumerate(active):
+            for i in active:
                 req = requests[i]
                 n = len(req.token_ids)
                 if step == 0:
@@ -157,15 +170,18 @@ class EagleProposer:
                     ids.append(drafts[i][-1])
                     q_lens.append(1)
                     ctx_lens.append(n + step)
-                    assert prev is not None
-                    feats.append(prev[row : row + 1])
                 tables.append(list(req.block_table))
             meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.runner.block_size,
                                            self.device)
             positions = token_positions(q_lens, ctx_lens)
-            last = torch.cumsum(torch.tensor(q_lens, device=self.device), 0) - 1
-            out = self.runner.step(torch.tensor(ids, device=self.device), torch.cat(feats),
-                                   positions, meta)[last]  # [A, hidden]
+            if step == 0:
+                out = self.runner.step(torch.tensor(ids, device=self.device), torch.cat(feats),
+                                       positions, meta)
+                out = out[torch.cumsum(torch.tensor(q_lens, device=self.device), 0) - 1]
+            else:  # one row per active sequence, fed the previous step's outputs in order
+                assert prev is not None
+                out = self.runner.step(torch.tensor(ids, device=self.device), prev, positions,
+                                       meta)  # [A, hidden]
             with torch.inference_mode():
                 logits = self.head.logits(out)  # [A, Vd]
             if greedy:
@@ -182,8 +198,10 @@ class EagleProposer:
                     kv[i] = len(requests[i].token_ids)
                     self.features.pop(requests[i].seq_id, None)  # all consumed
             keep = [j for j, i in enumerate(active) if len(drafts[i]) < requests[i].num_tokens]
-            prev = out[keep]
-            active = [active[j] for j in keep]
+            if len(keep) < len(active):
+                out = out[keep]
+                active = [active[j] for j in keep]
+            prev = out
             step += 1
             step_seconds.append(time.perf_counter() - t0)
         flat = [p for per_seq in probs for p in per_seq]
@@ -194,6 +212,6 @@ class EagleProposer:
         """g of positions [lo, hi) ([hi - lo, hidden]); position -1 and unknown ones are 0."""
         run = self.features.get(seq_id)
         if run is None:
-            return torch.zeros((hi - lo, self.hidden), dtype=self.head.fc.weight.dtype,
+            return torch.zeros((hi - lo, self.hidden), dtype=self.head.dtype,
                                device=self.device)
         return run.take(lo, hi, self.hidden)

@@ -81,6 +81,9 @@ class EagleHead(nn.Module):
         factory: dict[str, object] = {"dtype": dtype, "device": device}
         hidden = config.hidden_size
         self.config, self.meta = config, meta
+        # The dtype features and activations are kept in (the projections' own weights may be
+        # block-quantized later, see ``quantize``).
+        self.dtype = dtype or torch.get_default_dtype()
         self.fc = DenseLinear(len(meta.target_layers) * hidden, hidden, bias=False, **factory)
         self.in_proj = DenseLinear(2 * hidden, hidden, bias=False, **factory)
         self.layer = DecoderLayer(config, 0, **factory)
@@ -94,7 +97,7 @@ class EagleHead(nn.Module):
 
     def fuse(self, layer_feats: torch.Tensor) -> torch.Tensor:
         """[T, len(target_layers) * hidden] target hidden states -> features g [T, hidden]."""
-        return self.fc(layer_feats.to(self.fc.weight.dtype))
+        return self.fc(layer_feats.to(self.dtype))
 
     def inputs(self, input_ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """input_ids [...], feats g_{p-1} [..., hidden] -> the layer's input [..., hidden]."""
@@ -120,6 +123,16 @@ class EagleHead(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """out [N, hidden] -> float32 logits [N, len(head_token_ids)]."""
         return self.lm_head(self.norm(out)).float()
+
+    def quantize(self, fmt: str = "q8_0") -> dict[str, str]:
+        """Inference only: fc, in_proj, the layer's projections and the lm_head become block-
+        quantized (``kernels.quant``, float32 activations) and the layer runs the fused C++
+        ops, as a quantized target's draft model does. Returns module name -> format."""
+        from specserve.target.quantize import quantize_linears
+
+        if self.dtype != torch.float32:
+            raise ValueError(f"block-quantized projections compute in float32, not {self.dtype}")
+        return quantize_linears(self, fmt)
 
     def saved_state(self) -> dict[str, torch.Tensor]:
         """Trainable tensors plus the head ids (rotary tables and embeddings excluded)."""

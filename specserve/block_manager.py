@@ -155,7 +155,10 @@ class BlockManager:
     # ------------------------------------------------------------------ prefix cache
     def _find_prefix_hits(self, seq: Sequence) -> list[tuple[int, _Committed]]:
         """Longest run of leading full blocks found in the cache, as (block_id, (hash, cache_id)).
-        At most ``(num_tokens - 1) // block_size`` blocks, so at least one token is left to run."""
+        At most ``(num_tokens - 1) // block_size`` blocks, so at least one token is left to run.
+        For a sequence with ``draft_kv_from_target`` (an EAGLE head, which rebuilds its KV only
+        from the target's hidden states) only blocks whose draft KV is written count: the
+        target recomputes the rest and so hands the head their features."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
@@ -171,6 +174,8 @@ class BlockManager:
             block = self.blocks[block_id]
             # The hash is only an index: demand the same tokens chained to the same parent entry.
             if block.token_ids != tokens or block.parent_cache_id != parent_cid:
+                break
+            if seq.draft_kv_from_target and not block.draft_kv:
                 break
             hits.append((block_id, (h, block.cache_id)))
             parent_hash, parent_cid = h, block.cache_id
@@ -222,19 +227,47 @@ class BlockManager:
 
         Call after the engine has advanced ``num_computed_tokens`` and rolled back rejected
         drafts. If another block already caches the same content, that entry is kept and this
-        sequence's copy simply stays unhashed (a duplicate, freed like any private block).
+        sequence's copy simply stays unhashed (a duplicate, freed like any private block),
+        unless the copy holds draft KV the cached block lacks (see ``_adopt_entry``).
         """
         committed = self._seq_committed.get(seq.seq_id)
         if not self.enable_prefix_caching or committed is None:
             return
         bs = self.block_size
+        self._commit_full_blocks(seq, committed)
         # Full blocks the draft's KV now covers (it only ever writes past draft_num_computed,
         # so a marked block stays valid until the block is handed out again).
         marked = self._seq_draft_marked.get(seq.seq_id, 0)
         draft_full = min(seq.draft_num_computed // bs, len(seq.block_table))
         for i in range(marked, draft_full):
             self.blocks[seq.block_table[i]].draft_kv = True
+            if i < len(committed):
+                self._adopt_entry(seq.block_table[i], committed[i])
         self._seq_draft_marked[seq.seq_id] = max(marked, draft_full)
+
+    def _adopt_entry(self, block_id: int, entry: _Committed) -> None:
+        """A sequence's uncached copy of a cached block now holds draft KV too, and the cached
+        block does not (a plain request filled it): the copy takes over the cache entry (its
+        hash and cache_id, so cached children still chain to it). Otherwise a sequence that
+        needs the draft KV (``draft_kv_from_target``) could never hit these tokens while the
+        target-only copy stays cached. Only when no other sequence holds the cached block."""
+        h, cid = entry
+        block = self.blocks[block_id]
+        twin_id = self._hash_to_block.get(h)
+        if block.hash is not None or cid is None or twin_id is None or block.ref_count != 1:
+            return
+        twin = self.blocks[twin_id]
+        if twin.cache_id != cid or twin.draft_kv or twin.ref_count > 1:
+            return
+        block.hash, block.token_ids = twin.hash, twin.token_ids
+        block.cache_id, block.parent_cache_id = twin.cache_id, twin.parent_cache_id
+        self._hash_to_block[h] = block_id
+        twin.clear_cache_entry()
+        if twin.ref_count == 0:
+            self._free.move_to_end(twin_id, last=False)  # nothing cached: reuse it first
+
+    def _commit_full_blocks(self, seq: Sequence, committed: list[_Committed]) -> None:
+        bs = self.block_size
         num_full = seq.num_computed_tokens // bs
         assert num_full <= len(seq.block_table), "num_computed_tokens exceeds the block table"
         for i in range(len(committed), num_full):

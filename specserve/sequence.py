@@ -67,6 +67,9 @@ class Sequence:
     spec_step_method: str = "off"
     spec_k: int = 0
     draft_num_computed: int = 0
+    # The draft's KV can be rebuilt only from the target's forward (an EAGLE head reads its
+    # hidden states): prefix hits stop at the first block whose draft KV is not written.
+    draft_kv_from_target: bool = False
     spec_tenant: str = ""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

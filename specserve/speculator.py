@@ -132,10 +132,7 @@ class Speculator:
         if capture is None or capture.out is None:
             return
         eagle = self.proposers[_EAGLE]
-        at = 0
-        for seq_id, start, fed in self._feature_spans:
-            eagle.add_features(seq_id, start, capture.out[at : at + fed])  # type: ignore
-            at += fed
+        eagle.add_feature_spans(self._feature_spans, capture.out)  # type: ignore[attr-defined]
 
     def available(self, method: str) -> bool:
         return method in (OFF, AUTO) or method in self.proposers

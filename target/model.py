@@ -219,6 +219,9 @@ class CausalLM(nn.Module):
     fused_ops: FusedOps | None = None  # set by enable_fused_ops
     use_decoder_stack: bool = True  # False: one Python call per layer (tests compare the two)
     _stack: Any = None  # kernels' DecoderStack, built on the first step that can use it
+    # captured layers -> [(DecoderStack of layers [a, b), a, b)]: the same layers split after
+    # each captured one, so a step that returns features still runs a few C++ calls, not 30
+    _segments: dict[tuple[int, ...], list[tuple[Any, int, int]]] = {}
     _kv_flat: tuple[Any, list[torch.Tensor]] = (None, [])  # (kv_caches, its 2L tensors)
 
     def __init__(
@@ -254,6 +257,7 @@ class CausalLM(nn.Module):
         """``.to(device)`` / ``.cuda()`` also move the rotary table (kept in float32)."""
         super()._apply(fn, recurse)
         self._stack = None  # it holds the old weight tensors
+        self._segments = {}
         device = self.embed_tokens.weight.device
         if device.type != "meta":
             self.rotary.inv_freq = self.rotary.inv_freq.to(device)
@@ -272,7 +276,7 @@ class CausalLM(nn.Module):
         """Returns (logits [N, vocab] float32, final-norm hidden states [N, hidden]) for the rows
         in ``logits_indices``. The lm_head only runs on those rows. Writes every token's K/V into
         ``kv_caches`` at ``meta.slot_mapping``. With ``capture``, also fills ``capture.out``
-        (the layers then run one call each, not as one C++ stack, to expose their outputs)."""
+        (a C++ stack then runs as a few segments split after the captured layers)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} kv caches, got {len(kv_caches)}")
         if self.rotary.inv_freq.device != positions.device:
@@ -280,16 +284,24 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # once per step, for all layers
         rope = (cos[:, 0].contiguous(), sin[:, 0].contiguous())  # [T, D] each
-        stack = None if capture is not None else self._decoder_stack(attn_backend, meta)
-        if stack is not None:  # every layer in one C++ call (kernels/csrc/stack.cpp)
+        stack = self._decoder_stack(attn_backend, meta)
+        if stack is not None:  # every layer in one C++ call (kernels/csrc/fused.cpp)
             run, projections, plan = stack
             rows = h.shape[0]
             if self._kv_flat[0] is not kv_caches:
                 self._kv_flat = (kv_caches, [t for kv in kv_caches for t in kv])
-            run.forward_(
-                h, [p.rows_per_pass(rows) for p in projections], rope[0], rope[1],
-                self._kv_flat[1], meta.block_tables, plan.seq_of, plan.pos_of, meta.slot_mapping,
-            )
+            rpp = [p.rows_per_pass(rows) for p in projections]
+            # with a capture: one call per run of layers up to each captured layer
+            segments = [(run, 0, len(self.layers))] if capture is None else \
+                self._stack_segments(capture.layers)
+            picked = {}
+            for seg, a, b in segments:
+                seg.forward_(h, rpp, rope[0], rope[1], self._kv_flat[1][2 * a : 2 * b],
+                             meta.block_tables, plan.seq_of, plan.pos_of, meta.slot_mapping)
+                if capture is not None and b - 1 in capture.layers:
+                    picked[b - 1] = h[capture.rows]  # a copy: the next segment updates h
+            if capture is not None:
+                capture.out = torch.cat([picked[i] for i in capture.layers], dim=-1)
         else:
             picked: dict[int, torch.Tensor] = {}
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -329,16 +341,34 @@ class CausalLM(nn.Module):
             self._stack = stack
         return self._stack, whole[0][1], whole[0][2]
 
+    def _stack_segments(self, captured: tuple[int, ...]) -> list[tuple[Any, int, int]]:
+        """DecoderStacks over runs of layers ending after each layer in ``captured`` (and one
+        for the rest). Built once per set of layers from the layers' cached arguments (the
+        weights are shared, not copied); the arithmetic is the whole stack's."""
+        got = self._segments.get(captured)
+        if got is None:
+            ends = sorted({i + 1 for i in captured} | {len(self.layers)})
+            attn = self.layers[0].self_attn
+            got, start = [], 0
+            for end in ends:
+                stack = self.fused_ops.DecoderStack(
+                    attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale
+                )
+                for layer in self.layers[start:end]:
+                    ln1, ln2, eps, *planes = layer._layer_args[0]
+                    stack.add_layer(ln1, ln2, eps, planes, layer.self_attn.sliding_window or 0)
+                got.append((stack, start, end))
+                start = end
+            self._segments = {**self._segments, captured: got}
+        return got
+
     def enable_fused_ops(self, ops: FusedOps | None) -> None:
         """Routes norms, rotary, SiLU*mul and residual adds through the fused float32 CPU ops
         (the quantized path); None restores the reference ops, which follow transformers."""
-        for module in self.modules():
-            if isinstance(module, (Attention, MLP, DecoderLayer, RMSNorm)):
-                module.fused = ops
-            if isinstance(module, DecoderLayer):
-                module._layer_args = None
+        set_fused_ops(self, ops)
         self.fused_ops = ops
         self._stack = None
+        self._segments = {}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (after the final norm) -> logits [N, vocab] float32 ([N, len(
@@ -377,6 +407,16 @@ class CausalLM(nn.Module):
                 with torch.no_grad():
                     param.copy_(tensor)
         self.requires_grad_(False)
+
+
+def set_fused_ops(root: nn.Module, ops: FusedOps | None) -> None:
+    """Sets the fused ops on every layer, attention, MLP and norm under ``root`` (a model, or
+    an EAGLE head's one layer); None: the reference ops."""
+    for module in root.modules():
+        if isinstance(module, (Attention, MLP, DecoderLayer, RMSNorm)):
+            module.fused = ops
+        if isinstance(module, DecoderLayer):
+            module._layer_args = None
 
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)$")

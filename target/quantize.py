@@ -33,7 +33,7 @@ from specserve.kernels.quant import (
     gguf_format,
 )
 from specserve.kernels.quant import quantize as quantize_blocks
-from specserve.target.model import CausalLM
+from specserve.target.model import CausalLM, set_fused_ops
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,21 @@ def quantize_model(model: CausalLM, mode: str, model_path: str) -> dict[str, str
         model.enable_fused_ops(quant_ext.load())
     counts = {f: sum(1 for v in chosen.values() if v == f) for f in set(chosen.values())}
     log.info("quantization %s: %s projections in blocks %s", mode, len(chosen), counts)
+    return chosen
+
+
+def quantize_linears(root: nn.Module, fmt: str) -> dict[str, str]:
+    """Swaps every dense projection under ``root`` whose K is a multiple of 32 for a
+    ``BlockQuantLinear`` in ``fmt`` (q4_1 / q8_0), quantized from its float weight, and turns on
+    the fused float32 ops when the kernels load. Returns module name -> format."""
+    chosen: dict[str, str] = {}
+    for name, module in list(root.named_modules()):
+        if not isinstance(module, nn.Linear) or module.in_features % 32:
+            continue
+        _set_module(root, name, BlockQuantLinear(quantize_blocks(module.weight, fmt), module.bias))
+        chosen[name] = fmt
+    if chosen and quant_ext.available():
+        set_fused_ops(root, quant_ext.load())
     return chosen
 
 

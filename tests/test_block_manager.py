@@ -339,6 +339,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert seq.num_tokens - hit >= 1
             self._check_kv(seq)  # the hit blocks hold exactly this sequence's prefix
             assert seq.draft_num_computed <= hit and seq.draft_num_computed % self.bs == 0
+            if seq.draft_kv_from_target:  # hits only blocks whose draft KV is written
+                assert seq.draft_num_computed == hit
             if seq.draft_num_computed:
                 event("draft KV reused")
             event("prefix hit" if hit else "prefix miss")
@@ -373,13 +375,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         donor=st.integers(0, 1000),
         share=st.integers(0, 12),
         extra=st.lists(st.integers(0, 2), min_size=1, max_size=8),
+        from_target=st.booleans(),
     )
-    def new_seq(self, donor: int, share: int, extra: list[int]) -> Sequence:
+    def new_seq(self, donor: int, share: int, extra: list[int], from_target: bool) -> Sequence:
         base = self.prompts[donor % len(self.prompts)]  # fork by prefix of an earlier prompt
         prompt = base[:share] + extra
         self.prompts.append(prompt)
         self.next_id += 1
         seq = make_seq(prompt, seq_id=self.next_id)
+        seq.draft_kv_from_target = from_target  # an EAGLE head's sequence
         self.live[seq.seq_id] = seq
         return seq
 

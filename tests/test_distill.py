@@ -13,10 +13,11 @@ from transformers import LlamaConfig
 
 from specserve.cli import main as cli_main
 from specserve.distill.data import Prompt, TeacherData
-from specserve.distill.evaluate import EvalConfig, measure, run_eval
+from specserve.distill.evaluate import EvalConfig, measure, paired_speedup, run_eval
 from specserve.distill.run import DistillConfig, run_distill
 from specserve.distill.student import StudentSpec, build_student, choose_head_vocab, save_student
 from specserve.distill.train import TrainConfig, evaluate, head_lookup, make_batches
+from specserve.engine import LLMEngine
 from specserve.errors import ModelLoadError
 from specserve.sampling_params import SamplingParams, SpeculativeParams
 from specserve.target.loader import load_weights
@@ -102,15 +103,67 @@ def test_distill_lowers_kl_and_writes_a_draft_that_loads(text_target, tmp_path):
     # --eval measures acceptance through the engine and writes it into the card
     cfg = EvalConfig(draft=str(draft_dir), target=str(target), prompts=prompts, num_prompts=2,
                      max_tokens=8, ks=[1, 3], temperatures=[0.0, 0.7])
-    rows, cost = measure(cfg)
+    clock = StepClock()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LLMEngine, "step", clock.wrap(LLMEngine.step))
+        rows, cost = measure(cfg, clock=clock)
     assert [(r.temperature, r.k) for r in rows] == [(0.0, 1), (0.0, 3), (0.7, 1), (0.7, 3)]
     for r in rows:
         assert 0.0 <= r.acceptance <= 1.0 and 1.0 <= r.mean_accepted_length <= r.k + 1
         assert r.tokens == 2 * 8
+        if r.temperature == 0.0:
+            # same greedy tokens as the paired plain run; timed in engine steps, speculation
+            # saves at most k of every k + 1 steps, so the engine's one-off first step must
+            # not land on one side only
+            assert r.plain_tokens == r.tokens and r.greedy_mismatches == 0
+            assert 1.0 <= r.measured_speedup <= r.k + 1
     assert 0 < cost < 2  # one draft layer vs two target layers, both tiny
     table = run_eval(cfg)
     assert "| 3 |" in table and table in (draft_dir / "README.md").read_text()
     assert json.loads((draft_dir / "card.json").read_text())["acceptance"] == table
+
+
+class StepClock:
+    """A clock that counts engine steps (one unit each), charging the engine's first step as
+    a one-off start-up cost (as a real first step pays for allocations and caches)."""
+
+    def __init__(self, one_off: float = 1e6) -> None:
+        self.now, self.one_off = 0.0, one_off
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wrap(self, step):
+        def counted(engine):
+            self.now += 1.0 + self.one_off
+            self.one_off = 0.0
+            return step(engine)
+        return counted
+
+
+def test_paired_speedup_is_tokens_per_second_of_runs_timed_back_to_back():
+    """A machine whose load drops 10x after a slow start: each speculative run is compared with
+    the plain run just before it, so the ratio is that of the per-token costs (2x here)."""
+    from types import SimpleNamespace
+
+    clock = StepClock(one_off=0.0)
+    cost = [10.0]  # per token, falls to 1 after the first pair
+
+    def runner(factor: float, tokens: int):
+        def run() -> list:
+            clock.now += cost[0] * factor * tokens
+            return [SimpleNamespace(num_output_tokens=tokens)]
+        return run
+
+    first, base, spec = paired_speedup(runner(1.0, 64), runner(0.5, 64), clock)
+    cost[0] = 1.0
+    second, _, _ = paired_speedup(runner(1.0, 64), runner(0.5, 64), clock)
+    assert first == second == pytest.approx(2.0)
+    assert base.tokens == spec.tokens == 64 and base.seconds == 2 * spec.seconds
+    # a run that stops early is not faster: tokens per second, not wall time, are compared
+    assert paired_speedup(runner(1.0, 64), runner(1.0, 16), clock)[0] == pytest.approx(1.0)
+    with pytest.raises(RuntimeError, match="nothing to time"):
+        paired_speedup(runner(1.0, 64), lambda: [], clock)
 
 
 def test_interrupted_training_resumes_to_the_same_weights(text_target, tmp_path):

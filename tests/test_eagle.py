@@ -118,6 +118,69 @@ def test_eagle_greedy_identical_to_transformers(target, engine_kw):
     assert not engine.speculator.proposers["eagle"].features  # nothing kept after the end
 
 
+def test_quantized_target_runs_a_quantized_head_and_stays_lossless(target):
+    """A block-quantized target (int8, the fused C++ layers): the head's projections become Q8_0
+    blocks too and its layer runs the fused path; the target's features come from its decoder
+    stack split after the captured layers, equal to the per-layer path's bit for bit; greedy
+    output with the head equals the same engine's plain decoding."""
+    from specserve.kernels import quant_ext
+    from specserve.kernels.quant import BlockQuantLinear
+
+    path, head, _ = target
+    engine = make(path, head, quantization="int8", attention_backend="auto")
+    eagle = engine.speculator.proposers["eagle"]
+    projections = [eagle.head.fc, eagle.head.in_proj, eagle.head.lm_head,
+                   eagle.head.layer.self_attn.qkv_proj, eagle.head.layer.mlp.down_proj]
+    assert all(isinstance(m, BlockQuantLinear) and m.fmt == "q8_0" for m in projections)
+    if quant_ext.available():
+        assert eagle.head.layer.fused is not None
+
+        model, layers = engine.runner.model, eagle.target_layers
+        ids = torch.tensor(prompts([14], seed=4)[0])
+        L = len(ids)
+
+        def features() -> torch.Tensor:
+            meta = AttentionMetadata.build([L], [L], [list(range(4))], 4, engine.device)
+            capture = FeatureCapture(layers, torch.arange(L))
+            engine.runner.forward(ids, torch.arange(L), meta, torch.tensor([L - 1]),
+                                  capture=capture)
+            return capture.out
+
+        split = features()
+        assert model._segments.get(tuple(layers)) is not None  # the stack ran, in segments
+        model.use_decoder_stack = False
+        per_layer = features()
+        model.use_decoder_stack = True
+        assert torch.equal(split, per_layer)
+    base = prompts([3, 11, 29, 50], seed=2)
+    plain = engine.generate(base, GREEDY, SpeculativeParams("off"))
+    outs = engine.generate(base, GREEDY, SpeculativeParams("eagle", 4))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.timings.num_drafted for o in outs) > 0
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+
+
+def test_prefix_hits_from_plain_requests_do_not_starve_the_head_of_features(target):
+    """A plain request fills the prefix cache with target KV only; the head's KV for those
+    blocks can be rebuilt only from the target's hidden states, which a prefix hit skips. So an
+    EAGLE request stops its hit at such blocks and drafts exactly as on a cold cache; a later
+    EAGLE request does hit the blocks the first one wrote."""
+    path, head, hf = target
+    prompt = prompts([50], seed=7)[0]
+    spec = SpeculativeParams("eagle", 4)
+    cold = make(path, head, enable_prefix_caching=False).generate([prompt], GREEDY, spec)[0]
+    engine = make(path, head, enable_prefix_caching=True)
+    engine.generate([prompt], GREEDY, SpeculativeParams("off"))
+    bm = engine.block_manager
+    hits_before = bm.prefix_hits
+    warm = engine.generate([prompt], GREEDY, spec)[0]
+    assert bm.prefix_hits == hits_before  # no hit on blocks without the head's KV
+    assert warm.token_ids == cold.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+    assert warm.new_from_draft == cold.new_from_draft  # the same drafts, accepted alike
+    again = engine.generate([prompt], GREEDY, spec)[0]
+    assert bm.prefix_hits > hits_before and again.token_ids == cold.token_ids
+
+
 def test_sampled_distribution_equals_target_with_eagle(target):
     """The second token comes out of a k = 1 verify step: its distribution must equal the
     target's exact float64 marginal."""
