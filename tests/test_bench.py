@@ -447,7 +447,8 @@ def test_oracle_proposer_cuts_drafts_to_the_accepted_prefix(tiny):
     assert out.draft_token_ids == [[7, 8], []]
     assert out.confidence == [[1.0, 1.0], []]
 
-    engine = LLMEngine(engine_config(tiny, speculative_method="ngram"))
+    engine = LLMEngine(engine_config(tiny, speculative_method="ngram",
+                                     adaptive_speculation=False))  # every draft verified
     prompt = engine.encode("a b c a b c a b c a b c a b")
     params = SamplingParams(max_tokens=24, temperature=0.0)
     plain = engine.generate([prompt], params, SpeculativeParams(method="off"))[0]
