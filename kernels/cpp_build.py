@@ -28,13 +28,16 @@ def load_extension(name: str, sources: list[Path], build_dir: Path, cflags: list
     t0 = time.perf_counter()
     built = build_dir / f"{name}.so"
     if built.exists():
-        loader = importlib.machinery.ExtensionFileLoader(name, str(built))
-        spec = importlib.util.spec_from_file_location(name, built, loader=loader)
-        if spec is not None:
-            module = importlib.util.module_from_spec(spec)
-            loader.exec_module(module)
-            log.info("%s loaded in %.2fs (%s)", name, time.perf_counter() - t0, built)
-            return module
+        try:
+            loader = importlib.machinery.ExtensionFileLoader(name, str(built))
+            spec = importlib.util.spec_from_file_location(name, built, loader=loader)
+            if spec is not None:
+                module = importlib.util.module_from_spec(spec)
+                loader.exec_module(module)
+                log.info("%s loaded in %.2fs (%s)", name, time.perf_counter() - t0, built)
+                return module
+        except (ImportError, OSError) as exc:  # e.g. a build cut short: let the builder redo it
+            log.warning("%s: cached build unusable (%s); rebuilding", name, exc)
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
