@@ -43,6 +43,17 @@ from specserve.engine import LLMEngine  # noqa: E402
 from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 
 
+def load_chats(engine, name: str, limit: int | None = None) -> tuple[Path, list[list[int]]]:
+    """benchmarks/prompts/<name>.json (user messages) or benchmarks/workloads/<name>.json
+    (whole chats), the first ``limit``, chat-templated and encoded; and the file read."""
+    source = ROOT / "prompts" / f"{name}.json"
+    if not source.exists():
+        source = ROOT / "workloads" / f"{name}.json"
+    texts = json.loads(source.read_text())[:limit]
+    return source, [engine.encode(engine.render_chat(
+        t if isinstance(t, list) else [{"role": "user", "content": t}])) for t in texts]
+
+
 def run(engine, waves, params, method, k):
     """Each wave is one closed batch, run to completion before the next; tok/s over them all.
     ``k`` None: the engine's k_max for the method."""
@@ -93,13 +104,7 @@ def main() -> int:
         suffix_speculative_tokens=args.suffix_k,
         num_threads=args.num_threads, draft_model=args.draft_model or "none",
     ))
-    source = ROOT / "prompts" / f"{args.prompts}.json"
-    if not source.exists():
-        source = ROOT / "workloads" / f"{args.prompts}.json"
-    texts = json.loads(source.read_text())
-    texts = texts[: args.num_prompts]
-    chats = [engine.encode(engine.render_chat(
-        t if isinstance(t, list) else [{"role": "user", "content": t}])) for t in texts]
+    source, chats = load_chats(engine, args.prompts, args.num_prompts)
     modes = ["off", "ngram"] + (["draft"] if args.draft_model else [])
     if args.modes:
         modes = args.modes.split(",")
@@ -156,7 +161,7 @@ def main() -> int:
         f"Model `{engine.model_path.split('/')[-1]}`"
         + (f", draft `{args.draft_model}`" if args.draft_model else "")
         + f", dtype {args.dtype}, greedy, {args.new_tokens} new tokens, prompts "
-        f"{source.relative_to(ROOT.parent)} ({len(texts)} prompts), k_max {args.k} "
+        f"{source.relative_to(ROOT.parent)} ({len(chats)} prompts), k_max {args.k} "
         f"(suffix and auto {args.suffix_k}), "
         f"adaptive k {not args.fixed_k}, {args.repeats} interleaved repeats. "
         f"Outputs identical to plain decoding: {not failures}.",

@@ -20,7 +20,6 @@ Greedy outputs of every run must equal plain decoding (exit code 1 otherwise).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import replace
@@ -29,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.ab import run  # noqa: E402
+from benchmarks.ab import load_chats, run  # noqa: E402
 from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.draft.base import (  # noqa: E402
@@ -96,12 +95,7 @@ def main() -> int:
         model=args.model, num_speculative_tokens=args.k, suffix_speculative_tokens=args.suffix_k,
         num_threads=args.num_threads, draft_model="none",
     ))
-    source = ROOT / "prompts" / f"{args.prompts}.json"
-    if not source.exists():
-        source = ROOT / "workloads" / f"{args.prompts}.json"
-    texts = json.loads(source.read_text())[: args.num_prompts]
-    chats = [engine.encode(engine.render_chat(
-        t if isinstance(t, list) else [{"role": "user", "content": t}])) for t in texts]
+    source, chats = load_chats(engine, args.prompts, args.num_prompts)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0)
     waves = [[c] for c in chats]  # single stream: every prompt alone, in order
     methods = args.methods.split(",")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
+from benchmarks.ab import load_chats  # noqa: E402
 from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.draft.base import FinishedSequence, ProposalRequest  # noqa: E402
@@ -34,15 +34,6 @@ from specserve.draft.ngram import find_ngram_draft  # noqa: E402
 from specserve.draft.suffix import SuffixOptions, SuffixProposer  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
 from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
-
-
-def load_prompts(engine: LLMEngine, name: str) -> list[list[int]]:
-    source = ROOT / "prompts" / f"{name}.json"
-    if not source.exists():
-        source = ROOT / "workloads" / f"{name}.json"
-    texts = json.loads(source.read_text())
-    return [engine.encode(engine.render_chat(
-        t if isinstance(t, list) else [{"role": "user", "content": t}])) for t in texts]
 
 
 def replay(prompts: list[list[int]], outputs: list[list[int]], k: int, draft_fn,
@@ -105,7 +96,7 @@ def main() -> int:
     lines = ["| workload | proposer | k | spec_factor | min_prob | tokens per step |",
              "|---|---|---|---|---|---|"]
     for name in args.workloads.split(","):
-        prompts = load_prompts(engine, name)
+        prompts = load_chats(engine, name)[1]
         outs = engine.generate(prompts, params, SpeculativeParams(method="off"))
         outputs = [list(o.token_ids) for o in outs]
         for k in ks:
