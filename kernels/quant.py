@@ -132,18 +132,67 @@ def quantize(weight: torch.Tensor, fmt: str) -> BlockQuantWeight:
     return BlockQuantWeight(fmt, qs.contiguous(), d.contiguous(), lo.contiguous())
 
 
+LANES = 8  # output features interleaved per group in the kernel's layout (kernels/csrc/qgemm.cpp)
+
+
+def pack(weight: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The planes in the C++ kernel's layout: 8 output features interleaved, N padded with zero
+    features to a multiple of 8. Returns (qs [G, KB, 128 | 256], d [G, KB, 8], m or None)."""
+    n, kb = weight.d.shape
+    g = -(-n // LANES)
+    pad = g * LANES - n
+    codes = weight.codes().view(n, kb, BLOCK)
+    d, m = weight.d, weight.m
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, kb, BLOCK)])
+        d = torch.cat([d, d.new_zeros(pad, kb)])
+        m = None if m is None else torch.cat([m, m.new_zeros(pad, kb)])
+    lanes = lambda t: t.view(g, LANES, kb).permute(0, 2, 1).contiguous()  # [G, KB, 8]
+    c = codes.view(g, LANES, kb, BLOCK).permute(0, 2, 1, 3)  # [G, KB, feature, code]
+    if weight.fmt == "q8_0":
+        # vector v, byte 4 * feature + t: code 4 v + t
+        qs = c.reshape(g, kb, LANES, 8, 4).permute(0, 1, 3, 2, 4).reshape(g, kb, 256)
+        return qs.to(torch.int8).contiguous(), lanes(d), None
+    # vector v, byte 4 * feature + t: code 4 v + t (low nibble), 16 + 4 v + t (high nibble)
+    c = c.reshape(g, kb, LANES, 2, 4, 4)
+    qs = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 1, 3, 2, 4).reshape(g, kb, 128)
+    assert m is not None
+    return qs.to(torch.uint8).contiguous(), lanes(d), lanes(m)
+
+
+def unpack(fmt: str, n: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+           ) -> BlockQuantWeight:
+    """``pack``'s inverse: the planes of the first ``n`` features in the file's layout."""
+    g, kb, _ = qs.shape
+    rows = lambda t: t.permute(0, 2, 1).reshape(g * LANES, kb)[:n].contiguous()
+    if fmt == "q8_0":
+        codes = qs.view(g, kb, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(g * LANES, kb, BLOCK)
+        return BlockQuantWeight(fmt, codes[:n].contiguous(), rows(d), None)
+    nib = qs.view(g, kb, 4, LANES, 4).permute(0, 3, 1, 2, 4)  # [G, feature, KB, v, t]
+    q = torch.stack([nib & 0x0F, nib >> 4], dim=3)  # [G, feature, KB, half, v, t]
+    q = q.reshape(g * LANES, kb, BLOCK)[:n]
+    file_qs = q[..., :16] | (q[..., 16:] << 4)
+    assert m is not None
+    return BlockQuantWeight(fmt, file_qs.to(torch.uint8).contiguous(), rows(d), rows(m))
+
+
 class BlockQuantLinear(nn.Module):
     """y = x @ W^T (+ bias) with W block-quantized. Float32 in, float32 out. The planes are
-    buffers, so ``.to()`` and ``state_dict`` see them."""
+    buffers in the kernel's layout (``pack``: 8 features interleaved, N padded to a multiple of
+    8), so ``.to()`` and ``state_dict`` see them; ``weight`` gives the file's layout back."""
 
     def __init__(self, weight: BlockQuantWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.fmt = weight.fmt
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("qs", weight.qs)
-        self.register_buffer("d", weight.d)
-        self.register_buffer("m", weight.m)
-        self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
+        qs, d, m = pack(weight)
+        self.register_buffer("qs", qs)
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
+        if bias is not None:  # padded like the planes: the kernel adds 8 features at a time
+            bias = bias.to(torch.float32)
+            bias = torch.cat([bias, bias.new_zeros(qs.shape[0] * LANES - bias.numel())])
+        self.register_buffer("bias", bias)
         # Rows sharing each unpacked weight block, per row count: numerically irrelevant (the
         # kernel is batch-invariant), so the tuner (kernels/tuner.py) picks by speed alone.
         self.rows_plan: RowPlan | None = None
@@ -163,7 +212,13 @@ class BlockQuantLinear(nn.Module):
 
     @property
     def weight(self) -> BlockQuantWeight:
-        return BlockQuantWeight(self.fmt, self.qs, self.d, self.m)
+        """The weight in the file's layout (unpacked on each call: for tests and fallbacks)."""
+        return unpack(self.fmt, self.out_features, self.qs, self.d, self.m)
+
+    @property
+    def padded(self) -> bool:
+        """True when N is not a multiple of 8: the kernel's output has zero features to cut."""
+        return self.out_features % LANES != 0
 
     def rows_per_pass(self, rows: int) -> int:
         plan = self.rows_plan
@@ -187,10 +242,12 @@ class BlockQuantLinear(nn.Module):
         if ext is not None and x.device.type == "cpu":
             if x.dtype != torch.float32 or not x.is_contiguous():
                 x = x.to(torch.float32).contiguous()
-            return ext.block_linear(x, *self._planes, rows_per_pass)
+            y = ext.block_linear(x, *self._planes, rows_per_pass)
+            return y[:, : self.out_features].contiguous() if self.padded else y
         if self._dense is None or self._dense.device != x.device:
             self._dense = self.weight.dequantize().to(x.device)
-        return nn.functional.linear(x.to(torch.float32), self._dense, self.bias)
+        bias = None if self.bias is None else self.bias[: self.out_features]
+        return nn.functional.linear(x.to(torch.float32), self._dense, bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.fmt}"

@@ -183,7 +183,8 @@ class DecoderLayer(nn.Module):
     def _whole_layer_args(self, backend: AttentionBackend, meta: AttentionMetadata
                           ) -> tuple[tuple, list, Any] | None:
         """(tensor args, projections, attention plan) for ``decoder_layer_`` when this layer
-        can run as one C++ call: every projection block-quantized, no q/k norm, and the C++
+        can run as one C++ call: every projection block-quantized with N a multiple of 8 (the
+        kernel's output needs no cut), no q/k norm, and the C++
         attention taking every row of the step. None otherwise."""
         kernel_plan = getattr(backend, "kernel_plan", None)
         plan = None if kernel_plan is None else kernel_plan(meta)
@@ -197,7 +198,8 @@ class DecoderLayer(nn.Module):
             projections = [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
             runs_whole = (
                 a.q_norm is None and ln1.eps == ln2.eps
-                and all(isinstance(p, BlockQuantLinear) and p.has_kernel for p in projections)
+                and all(isinstance(p, BlockQuantLinear) and p.has_kernel and not p.padded
+                        for p in projections)
             )
             planes = [t for p in projections for t in p.planes] if runs_whole else []
             self._layer_args = (

@@ -147,20 +147,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum8(acc);
-  for (; i < D; ++i) s = s + a[i] * b[i];
-  return s;
-}
-
 // Query rows are taken in tiles of up to kTile consecutive positions of one sequence; a tile and
 // one KV head's query heads read each key and value row once. Each query row still computes its
 // own scores, max, sum and weighted values in key order with the same instructions: tiling and
 // grouping change no bits.
 constexpr int64_t kTile = 8;
+// Keys per chunk in the item loops: 64 key (or value) rows of head_dim 64 are 16 KB, in L1.
+constexpr int64_t kChunk = 64;
 
 // k, v [T, KVH, D] (rows may be strided views of the fused qkv output): written into the cache
 // at slot_mapping first (slot -1: padding, not written), as kernels.torch_ref.write_kv does.
@@ -183,34 +176,49 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   }
 }
 
-// N query rows against one key, each with exactly dot()'s instruction sequence (N independent
-// chains the core overlaps): out[c * stride] = dot(q[c], k) * scale.
-template <int N>
-inline void dot_rows(const float* const* q, const float* k, int64_t D, float scale, float* out,
-                     int64_t stride) {
-  __m256 a[N];
-  for (int c = 0; c < N; ++c) a[c] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < D; i += 8) {
-    const __m256 kv = _mm256_loadu_ps(k + i);
-    for (int c = 0; c < N; ++c) a[c] = _mm256_fmadd_ps(_mm256_loadu_ps(q[c] + i), kv, a[c]);
-  }
-  for (int c = 0; c < N; ++c) out[c * stride] = hsum8(a[c]) * scale;
-}
-
-// One query row against four keys, each key with exactly dot()'s instruction sequence.
-inline void dot_keys4(const float* q, const float* const* k, int64_t D, float scale, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+// One query row against 8 keys: 8 independent FMA chains over D, then one reduction tree that
+// gives lane u the sum of chain u's lanes as ((0+1)+(2+3))+((4+5)+(6+7)), whatever the other
+// lanes hold. So a key's score is the same bits in any group of 8 (and as a repeated tail).
+inline __m256 score8(const float* q, const float* const* k, int64_t D, float scale) {
+  __m256 a[8];
+  for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
   for (int64_t i = 0; i < D; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + i), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + i), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + i), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + i), a3);
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[u] + i), a[u]);
   }
-  out[0] = hsum8(a0) * scale;
-  out[1] = hsum8(a1) * scale;
-  out[2] = hsum8(a2) * scale;
-  out[3] = hsum8(a3) * scale;
+  const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
+                                   _mm256_permute2f128_ps(g0, g1, 0x31));
+  return _mm256_mul_ps(sum, _mm256_set1_ps(scale));
+}
+
+// acc[D] (+)= sum over keys j in [a0, z) of p[j] * v_j, in key order, one FMA per lane and key
+// (resume: continue from acc, else start from zero); NV = D / 8 accumulators kept in registers
+// (NV = 0: any D, the same arithmetic in memory).
+template <int NV>
+inline void weigh_values_nv(const float* p, const float* const* vals, int64_t a0, int64_t z,
+                            int64_t nv, float* acc, bool resume) {
+  constexpr int kN = NV > 0 ? NV : 32;
+  const int64_t n = NV > 0 ? NV : nv;
+  __m256 a[kN];
+  for (int64_t i = 0; i < n; ++i) a[i] = resume ? _mm256_loadu_ps(acc + 8 * i) : _mm256_setzero_ps();
+  for (int64_t j = a0; j < z; ++j) {
+    const __m256 pv = _mm256_set1_ps(p[j]);
+    const float* v = vals[j];
+    for (int64_t i = 0; i < n; ++i) a[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * i), a[i]);
+  }
+  for (int64_t i = 0; i < n; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
+}
+
+inline void weigh_values(const float* p, const float* const* vals, int64_t a0, int64_t z,
+                         int64_t nv, float* acc, bool resume) {
+  switch (nv) {
+    case 4: return weigh_values_nv<4>(p, vals, a0, z, nv, acc, resume);
+    case 8: return weigh_values_nv<8>(p, vals, a0, z, nv, acc, resume);
+    case 16: return weigh_values_nv<16>(p, vals, a0, z, nv, acc, resume);
+    default: return weigh_values_nv<0>(p, vals, a0, z, nv, acc, resume);
+  }
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -273,7 +281,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
       scores.resize(R * span);
       keys.resize(span);
       vals.resize(span);
-      acc.assign(R * D, 0.0f);
+      acc.resize(R * D);
       for (int64_t j = jlo; j <= jhi; ++j) {
         const int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
         keys[j - jlo] = kp + (slot * KVH + kvh) * D;
@@ -282,26 +290,27 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
       auto qrow = [&](int64_t x) {  // query row x of this item -> its q vector
         return qp + ((t0 + x / sub) * H + hbase + x % sub) * D;
       };
-      // Scores: each key row once for all R query rows, up to 4 rows' dot products as
-      // independent chains. Rows are scored at every key of the tile's span; a row never reads
-      // a score outside its own [lo, hi].
-      const float* qs4[4];
-      if (R == 1) {  // one row (a decode): four keys at a time as independent chains instead
-        const float* q1 = qrow(0);
-        int64_t j = 0;
-        for (; j + 4 <= span; j += 4) dot_keys4(q1, keys.data() + j, D, sc, scores.data() + j);
-        for (; j < span; ++j) dot_rows<1>(&q1, keys[j], D, sc, scores.data() + j, span);
-      }
-      for (int64_t j = 0; j < span && R > 1; ++j) {
-        const float* kv = keys[j];
-        for (int64_t x = 0; x < R; x += 4) {
-          const int64_t c = std::min<int64_t>(4, R - x);
-          for (int64_t u = 0; u < c; ++u) qs4[u] = qrow(x + u);
-          float* out = scores.data() + x * span + j;
-          if (c == 4) dot_rows<4>(qs4, kv, D, sc, out, span);
-          else if (c == 3) dot_rows<3>(qs4, kv, D, sc, out, span);
-          else if (c == 2) dot_rows<2>(qs4, kv, D, sc, out, span);
-          else dot_rows<1>(qs4, kv, D, sc, out, span);
+      // Scores: each row against only its own keys [lo, hi], 8 keys at a time (score8); keys in
+      // chunks of kChunk, so a chunk stays in L1 while every row of the item reads it.
+      for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
+        const int64_t c1 = std::min(span, c0 + kChunk);
+        for (int64_t x = 0; x < R; ++x) {
+          const int64_t r = x / sub;
+          const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
+          const float* qx = qrow(x);
+          float* sr = scores.data() + x * span;
+          for (int64_t j = a0; j < z; j += 8) {
+            const float* k8[8];
+            for (int u = 0; u < 8; ++u) k8[u] = keys[std::min(j + u, z - 1)];  // tail: repeats
+            const __m256 s8 = score8(qx, k8, D, sc);
+            if (j + 8 <= z) {
+              _mm256_storeu_ps(sr + j, s8);
+            } else {
+              alignas(32) float tmp[8];
+              _mm256_store_ps(tmp, s8);
+              std::copy(tmp, tmp + (z - j), sr + j);
+            }
+          }
         }
       }
       // Per query row: max, p = exp(s - max) in place (8 lanes from its first key, then a fixed
@@ -328,29 +337,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
         }
         sums[x] = sum;
       }
-      // Weighted values: each value row once (in registers) for all R rows, in key order.
+      // Weighted values: per row, its accumulators in registers, its keys in order; value rows
+      // in chunks as above (a row's accumulators go to memory between chunks: same numbers).
       const int64_t nv = D / 8;
-      if (R == 1) {  // one row (a decode): its accumulators stay in registers, same sums
-        __m256 a1[32];
-        for (int64_t i = 0; i < nv; ++i) a1[i] = _mm256_setzero_ps();
-        for (int64_t j = lo[0] - jlo; j <= hi[0] - jlo; ++j) {
-          const __m256 pv = _mm256_set1_ps(scores[j]);
-          for (int64_t i = 0; i < nv; ++i)
-            a1[i] = _mm256_add_ps(a1[i], _mm256_mul_ps(pv, _mm256_loadu_ps(vals[j] + 8 * i)));
-        }
-        for (int64_t i = 0; i < nv; ++i) _mm256_storeu_ps(acc.data() + 8 * i, a1[i]);
-      }
-      for (int64_t j = 0; j < span && R > 1; ++j) {
-        __m256 v[32];
-        for (int64_t i = 0; i < nv; ++i) v[i] = _mm256_loadu_ps(vals[j] + 8 * i);
+      for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
+        const int64_t c1 = std::min(span, c0 + kChunk);
         for (int64_t x = 0; x < R; ++x) {
           const int64_t r = x / sub;
-          if (j + jlo < lo[r] || j + jlo > hi[r]) continue;
-          const __m256 pv = _mm256_set1_ps(scores[x * span + j]);
-          float* ax = acc.data() + x * D;
-          for (int64_t i = 0; i < nv; ++i)
-            _mm256_storeu_ps(ax + 8 * i, _mm256_add_ps(_mm256_loadu_ps(ax + 8 * i),
-                                                       _mm256_mul_ps(pv, v[i])));
+          const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
+          weigh_values(scores.data() + x * span, vals.data(), a0, z, nv, acc.data() + x * D,
+                       c0 > 0);
         }
       }
       for (int64_t x = 0; x < R; ++x) {

@@ -2,17 +2,26 @@
 // Q4_1 / Q8_0 block formats (32 weights per block), x quantized on the fly to int8 per block of 32
 // (llama.cpp's Q8 activations), integer dot products per block, float accumulation across blocks.
 //
-// Layouts (the GGUF file's own bytes, split into planes):
-//   Q4_1: qs [N, KB, 16] uint8 (byte j: q[j] in the low nibble, q[j+16] in the high nibble),
-//         d [N, KB] float32, m [N, KB] float32;         w = d * q + m,  q in 0..15
-//   Q8_0: qs [N, KB, 32] int8, d [N, KB] float32;        w = d * q
+// Layout: 8 output features interleaved (as llama.cpp's repacked "x8" CPU formats do), so one
+// integer dot product serves 8 features and the float work (convert, scale, accumulate) runs on
+// 8 features per instruction instead of one; packed once at load by kernels/quant.py's pack.
+// G = N / 8 (N padded with zero features to a multiple of 8), KB = K / 32, feature c of group g
+// is n = 8 g + c, q[c][j] its code j of the block:
+//   Q4_1: qs [G, KB, 128] uint8: 4 vectors of 32 bytes; byte 4c+t of vector v holds q[c][4v+t]
+//         in the low nibble and q[c][16+4v+t] in the high one; d, m [G, KB, 8] float32;
+//         w = d * q + m, q in 0..15
+//   Q8_0: qs [G, KB, 256] int8: 8 vectors; byte 4c+t of vector v holds q[c][4v+t];
+//         d [G, KB, 8] float32; w = d * q
+// Per feature and block: an exact int32 dot product of the block, then acc += float(dot) *
+// (d * dx) (+ m * sum(x) for Q4_1), blocks in order.
 //
 // Batch invariance: y[i, n] is computed by the same sequence of instructions whatever M is and
 // however rows are grouped (1, 2 or 4 rows share each unpacked weight block; each row keeps its
-// own accumulator and its own block order), and whatever the thread split over N. So row i of an
-// M-row call equals the 1-row call bit for bit, which is what makes a k+1-row speculative verify
-// pick exactly the tokens one-row decode steps would. Built with -ffp-contract=off so the compiler
-// never fuses a multiply-add in one code path and not in another.
+// own accumulators and its own block order), and whatever the thread split over groups. So row
+// i of an M-row call equals the 1-row call bit for bit, which is what makes a k+1-row
+// speculative verify pick exactly the tokens one-row decode steps would. Built with
+// -ffp-contract=off so the compiler never fuses a multiply-add in one code path and not in
+// another.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -100,57 +109,73 @@ const QuantRows& quantize_rows(const at::Tensor& x) {
   return q;
 }
 
-// 32 Q4 nibbles (16 bytes) -> 32 uint8 in weight order.
-inline __m256i unpack_q4(const uint8_t* qs) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+inline __m256i bcast4(const int8_t* p) {
+  return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
 }
 
-// Integer dot product of 32 uint8 weights with 32 int8 activations, as 8 float partial sums.
-inline __m256 dot_u8s8(__m256i w, __m256i x) {
-  const __m256i p16 = _mm256_maddubs_epi16(w, x);  // |sum| <= 2*15*127: no saturation
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
-}
-
-// Same for signed int8 weights: |w| times x carrying w's sign (|sum| <= 2*127*127 < 2^15).
-inline __m256 dot_s8s8(__m256i w, __m256i x) {
-  const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
-}
-
-template <int R, bool Q4>
-void rows_kernel(int64_t n0, int64_t n1, int64_t i0, int64_t KB, int64_t N, const uint8_t* qs,
-                 const float* d, const float* m, const int8_t* xq, const float* dx,
-                 const float* sx, const float* bias, float* y) {
-  constexpr int64_t kBytes = Q4 ? QK / 2 : QK;
-  const int64_t K = KB * QK;
-  for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[R];
-    float accm[R];
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_setzero_ps();
-      accm[r] = 0.0f;
+// Q4_1, 8 columns interleaved: per (group, block) 128 bytes = 4 vectors; byte 4c+t of vector v
+// holds q[c][4v+t] (low nibble) and q[c][4v+16+t] (high nibble).
+template <int R>
+void q4_group(int64_t g, int64_t i0, int64_t KB, const uint8_t* qs, const float* d, const float* m,
+              const int8_t* xq, const float* dx, const float* sx, int64_t K, __m256* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const uint8_t* qg = qs + g * KB * 128;
+  const float* dg = d + g * KB * 8;
+  const float* mg = m + g * KB * 8;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256i w[8];
+    for (int v = 0; v < 4; ++v) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + b * 128 + 32 * v));
+      w[v] = _mm256_and_si256(raw, low);
+      w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
     }
-    const uint8_t* qn = qs + n * KB * kBytes;
-    const float* dn = d + n * KB;
-    for (int64_t b = 0; b < KB; ++b) {
-      const __m256i w = Q4 ? unpack_q4(qn + b * kBytes)
-                           : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + b * kBytes));
-      for (int r = 0; r < R; ++r) {
-        const int64_t i = i0 + r;
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + b * QK));
-        const __m256 p = Q4 ? dot_u8s8(w, xv) : dot_s8s8(w, xv);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dn[b] * dx[i * KB + b]), p, acc[r]);
-        if (Q4) accm[r] = accm[r] + m[n * KB + b] * sx[i * KB + b];
-      }
-    }
+    const __m256 dv = _mm256_loadu_ps(dg + b * 8);
+    const __m256 mv = _mm256_loadu_ps(mg + b * 8);
     for (int r = 0; r < R; ++r) {
-      float v = hsum(acc[r]) + accm[r];
-      if (bias != nullptr) v = v + bias[n];
-      y[(i0 + r) * N + n] = v;
+      const int64_t i = i0 + r;
+      const int8_t* xb = xq + i * K + b * QK;
+      // 8 products of <= 2*15*127 each: the 16-bit sum stays below 2^15.
+      __m256i s = _mm256_maddubs_epi16(w[0], bcast4(xb));
+      for (int v = 1; v < 8; ++v) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[v], bcast4(xb + 4 * v)));
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * KB + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[i * KB + b]), acc[r]);
     }
   }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// Q8_0, 8 columns interleaved: per (group, block) 256 bytes = 8 vectors; byte 4c+t of vector v
+// holds q[c][4v+t].
+template <int R>
+void q8_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const float* d,
+              const int8_t* xq, const float* dx, int64_t K, __m256* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* qg = qs + g * KB * 256;
+  const float* dg = d + g * KB * 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256i w[8], a[8];
+    for (int v = 0; v < 8; ++v) {
+      w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + b * 256 + 32 * v));
+      a[v] = _mm256_sign_epi8(w[v], w[v]);
+    }
+    const __m256 dv = _mm256_loadu_ps(dg + b * 8);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = i0 + r;
+      const int8_t* xb = xq + i * K + b * QK;
+      __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(a[0], _mm256_sign_epi8(bcast4(xb), w[0])), ones);
+      for (int v = 1; v < 8; ++v)
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(a[v], _mm256_sign_epi8(bcast4(xb + 4 * v), w[v])), ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * KB + b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
 }  // namespace
@@ -161,15 +186,19 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   const bool q4 = m.has_value();
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), KB = qs.size(1);
+  const int64_t M = x.size(0), K = x.size(1), G = qs.size(0), KB = qs.size(1), N = 8 * G;
   TORCH_CHECK(K == KB * QK, "x has ", K, " columns, the weight has ", KB, " blocks of 32");
-  TORCH_CHECK(qs.size(2) == (q4 ? QK / 2 : QK), "packed weight has the wrong block size");
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == (q4 ? 128 : 256) && qs.is_contiguous(),
+              "packed weight must be [N / 8, K / 32, ", q4 ? 128 : 256, "] (kernels/quant.py pack)");
+  TORCH_CHECK(d.sizes() == at::IntArrayRef({G, KB, 8}) && d.is_contiguous(),
+              "scales must be [N / 8, K / 32, 8]");
+  TORCH_CHECK(!q4 || (m->sizes() == d.sizes() && m->is_contiguous()), "mins must be like scales");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == N, "bias must have N (padded to 8) entries");
   TORCH_CHECK(rows_per_pass == 1 || rows_per_pass == 2 || rows_per_pass == 4,
               "rows_per_pass must be 1, 2 or 4");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const QuantRows& xr = quantize_rows(x);
-  const uint8_t* qsp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const float* dp = d.data_ptr<float>();
   const float* mp = q4 ? m->data_ptr<float>() : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
@@ -177,21 +206,32 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   const float* dxp = xr.dx.data();
   const float* sxp = xr.sx.data();
   float* yp = y.data_ptr<float>();
-  // Split over output features only: a row's sums never depend on the thread split.
-  const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    int64_t i = 0;
-#define SPECSERVE_RUN(R)                                                                    \
-  if (q4)                                                                                   \
-    rows_kernel<R, true>(n0, n1, i, KB, N, qsp, dp, mp, xqp, dxp, sxp, bp, yp);            \
-  else                                                                                      \
-    rows_kernel<R, false>(n0, n1, i, KB, N, qsp, dp, mp, xqp, dxp, sxp, bp, yp);
-    if (rows_per_pass >= 4)
-      for (; i + 4 <= M; i += 4) { SPECSERVE_RUN(4) }
-    if (rows_per_pass >= 2)
-      for (; i + 2 <= M; i += 2) { SPECSERVE_RUN(2) }
-    for (; i < M; ++i) { SPECSERVE_RUN(1) }
+  // Split over groups of 8 output features only: a row's sums never depend on the thread split.
+  const int64_t grain = std::max<int64_t>(2, G / (4 * at::get_num_threads()));
+  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const __m256 bv = bp != nullptr ? _mm256_loadu_ps(bp + 8 * g) : _mm256_setzero_ps();
+      int64_t i = 0;
+#define SPECSERVE_RUN(R)                                                                     \
+  {                                                                                          \
+    __m256 out[R];                                                                           \
+    if (q4)                                                                                  \
+      q4_group<R>(g, i, KB, reinterpret_cast<const uint8_t*>(qs.data_ptr()), dp, mp, xqp,    \
+                  dxp, sxp, K, out);                                                         \
+    else                                                                                     \
+      q8_group<R>(g, i, KB, reinterpret_cast<const int8_t*>(qs.data_ptr()), dp, xqp, dxp, K, \
+                  out);                                                                      \
+    for (int r = 0; r < R; ++r)                                                              \
+      _mm256_storeu_ps(yp + (i + r) * N + 8 * g, bp != nullptr ? _mm256_add_ps(out[r], bv)   \
+                                                                : out[r]);                   \
+  }
+      if (rows_per_pass >= 4)
+        for (; i + 4 <= M; i += 4) SPECSERVE_RUN(4)
+      if (rows_per_pass >= 2)
+        for (; i + 2 <= M; i += 2) SPECSERVE_RUN(2)
+      for (; i < M; ++i) SPECSERVE_RUN(1)
 #undef SPECSERVE_RUN
+    }
   });
   return y;
 }
