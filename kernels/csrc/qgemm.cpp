@@ -8,10 +8,10 @@
 // G = N / 8 (N padded with zero features to a multiple of 8), KB = K / 32, feature c of group g
 // is n = 8 g + c, q[c][j] its code j of the block:
 //   Q4_1: qs [G, KB, 128] uint8: 4 vectors of 32 bytes; byte 4c+t of vector v holds q[c][4v+t]
-//         in the low nibble and q[c][16+4v+t] in the high one; d, m [G, KB, 8] float32;
+//         in the low nibble and q[c][16+4v+t] in the high one; d, m [G, KB, 8] float16;
 //         w = d * q + m, q in 0..15
 //   Q8_0: qs [G, KB, 256] int8: 8 vectors; byte 4c+t of vector v holds q[c][4v+t];
-//         d [G, KB, 8] float32; w = d * q
+//         d [G, KB, 8] float16; w = d * q
 // Per feature and block: an exact int32 dot product of the block, then acc += float(dot) *
 // (d * dx) (+ m * sum(x) for Q4_1), blocks in order.
 //
@@ -115,14 +115,20 @@ inline __m256i bcast4(const int8_t* p) {
 
 // Q4_1, 8 columns interleaved: per (group, block) 128 bytes = 4 vectors; byte 4c+t of vector v
 // holds q[c][4v+t] (low nibble) and q[c][4v+16+t] (high nibble).
+// 8 float16 scales -> float32 (exact).
+inline __m256 load_half8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 template <int R>
-void q4_group(int64_t g, int64_t i0, int64_t KB, const uint8_t* qs, const float* d, const float* m,
+void q4_group(int64_t g, int64_t i0, int64_t KB, const uint8_t* qs, const uint16_t* d,
+              const uint16_t* m,
               const int8_t* xq, const float* dx, const float* sx, int64_t K, __m256* out) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const uint8_t* qg = qs + g * KB * 128;
-  const float* dg = d + g * KB * 8;
-  const float* mg = m + g * KB * 8;
+  const uint16_t* dg = d + g * KB * 8;
+  const uint16_t* mg = m + g * KB * 8;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < KB; ++b) {
@@ -132,8 +138,8 @@ void q4_group(int64_t g, int64_t i0, int64_t KB, const uint8_t* qs, const float*
       w[v] = _mm256_and_si256(raw, low);
       w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
     }
-    const __m256 dv = _mm256_loadu_ps(dg + b * 8);
-    const __m256 mv = _mm256_loadu_ps(mg + b * 8);
+    const __m256 dv = load_half8(dg + b * 8);
+    const __m256 mv = load_half8(mg + b * 8);
     for (int r = 0; r < R; ++r) {
       const int64_t i = i0 + r;
       const int8_t* xb = xq + i * K + b * QK;
@@ -151,12 +157,12 @@ void q4_group(int64_t g, int64_t i0, int64_t KB, const uint8_t* qs, const float*
 // Q8_0, 8 columns interleaved: per (group, block) 256 bytes = 8 vectors; byte 4c+t of vector v
 // holds q[c][4v+t].
 template <int R>
-void q8_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const float* d,
+void q8_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const uint16_t* d,
               const int8_t* xq, const float* dx, int64_t K, __m256* out) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const int8_t* qg = qs + g * KB * 256;
-  const float* dg = d + g * KB * 8;
+  const uint16_t* dg = d + g * KB * 8;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < KB; ++b) {
     __m256i w[8], a[8];
@@ -164,7 +170,7 @@ void q8_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const float* 
       w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + b * 256 + 32 * v));
       a[v] = _mm256_sign_epi8(w[v], w[v]);
     }
-    const __m256 dv = _mm256_loadu_ps(dg + b * 8);
+    const __m256 dv = load_half8(dg + b * 8);
     for (int r = 0; r < R; ++r) {
       const int64_t i = i0 + r;
       const int8_t* xb = xq + i * K + b * QK;
@@ -190,17 +196,19 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   TORCH_CHECK(K == KB * QK, "x has ", K, " columns, the weight has ", KB, " blocks of 32");
   TORCH_CHECK(qs.dim() == 3 && qs.size(2) == (q4 ? 128 : 256) && qs.is_contiguous(),
               "packed weight must be [N / 8, K / 32, ", q4 ? 128 : 256, "] (kernels/quant.py pack)");
-  TORCH_CHECK(d.sizes() == at::IntArrayRef({G, KB, 8}) && d.is_contiguous(),
-              "scales must be [N / 8, K / 32, 8]");
-  TORCH_CHECK(!q4 || (m->sizes() == d.sizes() && m->is_contiguous()), "mins must be like scales");
+  TORCH_CHECK(d.sizes() == at::IntArrayRef({G, KB, 8}) && d.is_contiguous() &&
+                  d.scalar_type() == at::kHalf,
+              "scales must be float16 [N / 8, K / 32, 8]");
+  TORCH_CHECK(!q4 || (m->sizes() == d.sizes() && m->is_contiguous() && m->scalar_type() == at::kHalf),
+              "mins must be like scales");
   TORCH_CHECK(!bias.has_value() || bias->numel() == N, "bias must have N (padded to 8) entries");
   TORCH_CHECK(rows_per_pass == 1 || rows_per_pass == 2 || rows_per_pass == 4,
               "rows_per_pass must be 1, 2 or 4");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const QuantRows& xr = quantize_rows(x);
-  const float* dp = d.data_ptr<float>();
-  const float* mp = q4 ? m->data_ptr<float>() : nullptr;
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const uint16_t* mp = q4 ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int8_t* xqp = xr.xq.data();
   const float* dxp = xr.dx.data();
