@@ -244,31 +244,42 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t *sq = seq_of.data_ptr<int64_t>(), *ps = pos_of.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = (float)scale;
-  // Tiles: runs of consecutive positions of one sequence, at most kTile rows each.
+  // Tiles: runs of consecutive positions of one sequence, cut into near-equal tiles of at most
+  // kTile rows. One work item = one tile x all query heads of one KV head, so each key and value
+  // row is read once for the group's heads (reading them per head was memory-bound, even at a
+  // 450-token context). When the items would not split evenly over the threads and are few (a
+  // 5-row verify of one sequence: 3 items on 2 threads), each run's tiles are doubled (3 + 2
+  // rows: 6 items). Every query row runs the same instructions whatever its tile, so the cut
+  // changes no bits.
+  std::vector<int64_t> run_start, run_tiles;
+  for (int64_t t = 0; t < T; ++t)
+    if (t == 0 || sq[t] != sq[t - 1] || ps[t] != ps[t - 1] + 1) run_start.push_back(t);
+  run_start.push_back(T);
+  const int64_t n_runs = (int64_t)run_start.size() - 1;
+  int64_t total = 0;
+  for (int64_t r = 0; r < n_runs; ++r) {
+    run_tiles.push_back((run_start[r + 1] - run_start[r] + kTile - 1) / kTile);
+    total += run_tiles.back();
+  }
+  const int64_t threads = at::get_num_threads();
+  if ((total * KVH) % threads != 0 && total * KVH < 4 * threads)
+    for (int64_t r = 0; r < n_runs; ++r)
+      run_tiles[r] = std::min(run_start[r + 1] - run_start[r], 2 * run_tiles[r]);
   std::vector<int64_t> tile_start;
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t s0 = tile_start.empty() ? -1 : tile_start.back();
-    if (s0 < 0 || t - s0 >= kTile || sq[t] != sq[t - 1] || ps[t] != ps[t - 1] + 1)
-      tile_start.push_back(t);
+  for (int64_t r = 0; r < n_runs; ++r) {
+    const int64_t len = run_start[r + 1] - run_start[r];
+    for (int64_t i = 0; i < run_tiles[r]; ++i) tile_start.push_back(run_start[r] + i * len / run_tiles[r]);
   }
   const int64_t n_tiles = (int64_t)tile_start.size();
   tile_start.push_back(T);
-  // One work item = one tile of positions x `sub` query heads of one KV head. With a long
-  // context all the group's heads share an item, so each key and value row is read once for
-  // them all (a 2k-8k cache does not fit in L2, and reading it per head was memory-bound); with
-  // a short one, one head per item spreads the work over the threads. Either way every query row
-  // runs the same instructions, so the split changes no bits.
-  int64_t max_pos = 0;
-  for (int64_t t = 0; t < T; ++t) max_pos = std::max(max_pos, ps[t]);
-  const int64_t sub = max_pos >= 1024 ? group : 1;
-  const int64_t parts = group / sub;
-  at::parallel_for(0, n_tiles * KVH * parts, 1, [&](int64_t b, int64_t e) {
+  const int64_t sub = group;
+  at::parallel_for(0, n_tiles * KVH, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores;
     std::vector<const float*> keys, vals;
     std::vector<float> acc;
     for (int64_t item = b; item < e; ++item) {
-      const int64_t tile = item / (KVH * parts), kvh = item / parts % KVH, part = item % parts;
-      const int64_t hbase = kvh * group + part * sub;  // first query head of this item
+      const int64_t tile = item / KVH, kvh = item % KVH;
+      const int64_t hbase = kvh * group;  // first query head of this item
       const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
       const int64_t R = nt * sub;  // query rows of this item: (position x / sub, head x % sub)
       const int32_t* table = bt + sq[t0] * maxb;
