@@ -342,6 +342,7 @@ class LLMEngine:
             t = state.timings
             if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = t_start
+                t.num_cached_prompt_tokens = seq.num_cached_tokens
             if seq.is_prefill:
                 t.prefill_ms += (t_model - t_drafted) * 1e3
             else:
@@ -368,6 +369,9 @@ class LLMEngine:
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             spec.after_verify(s, n_before, seq_drafts, accepted)
             if seq.is_finished:
+                # Its full blocks enter the prefix cache before they are freed: a request that
+                # ends on its first step (max_tokens=1) would otherwise cache none of its prompt.
+                self.block_manager.commit_computed(seq)
                 self.scheduler.finish(seq)
                 spec.forget(seq)
                 self.requests.pop(seq.request_id)

@@ -105,6 +105,18 @@ def test_prefix_cache_hits_match_transformers(tiny):
     assert engine.block_manager.prefix_hits - hits_before >= 3 * 24
 
 
+def test_request_ending_on_its_first_step_leaves_its_prompt_cached(tiny):
+    """A max_tokens=1 request finishes in the step that prefills it; its full prompt blocks
+    still enter the prefix cache, and the next request's timings report the hit."""
+    path, hf = tiny
+    engine = engine_for(path)
+    p = prompts([26], seed=9)[0]  # 6 full blocks of 4
+    (first,) = engine.generate([p], SamplingParams(max_tokens=1, temperature=0.0))
+    assert first.timings.num_cached_prompt_tokens == 0
+    (out,) = assert_matches_hf(engine, hf, [p])
+    assert out.timings.num_cached_prompt_tokens == 24
+
+
 def test_preemption_matches_transformers(tiny):
     path, hf = tiny
     # 24 blocks x 4 = 96 KV slots for 5 sequences needing 22..62 slots each.
