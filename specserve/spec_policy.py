@@ -35,6 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 
 _MIN_SAMPLES = 3  # measurements at one token count before the table trusts them
+_PRIOR_RATE = 0.6  # acceptance assumed for a method before (and long after) any evidence
+# Per idle sequence-step: a method's global evidence halves in ~35 steps at k = 0 (well under
+# a second of decoding), so it is tried again; each try brings fresh evidence.
+_GLOBAL_RELAX = 0.98
 
 
 class _LinearCost:
@@ -169,6 +173,7 @@ class Candidate:
     rate: float  # its acceptance estimate
     uses_draft_model: bool
     host_seconds: float = 0.0  # its model-free proposer's host time per step (when it drafts)
+    method: str = ""  # the proposer it would draft with (its global rate is the prior)
 
 
 class _Median:
@@ -234,7 +239,7 @@ class SpeculationPolicy:
         self.seq_stats.pop(seq_id, None)
 
     def acceptance_rate(self, seq_id: int, method: str) -> float:
-        prior = self.global_stats.get(method, AcceptanceStats()).rate(0.6)
+        prior = self.global_stats.get(method, AcceptanceStats()).rate(_PRIOR_RATE)
         stats = self.seq_stats.get(seq_id, {}).get(method)
         return (stats or AcceptanceStats()).rate(prior)
 
@@ -251,6 +256,12 @@ class SpeculationPolicy:
             if ks[c.key] == 0:
                 for stats in self.seq_stats.get(c.key, {}).values():
                     stats.relax()
+                # The method's global rate fades toward the starting prior too: it only
+                # learns from drafts, so a few rejected ones (a warm-up, an unlucky first
+                # request) would otherwise keep every later sequence at k = 0 for good.
+                glob = self.global_stats.get(c.method)
+                if glob is not None:
+                    glob.relax(_GLOBAL_RELAX)
         return ks
 
     def _model_choice(self, candidates: list[Candidate], num_other_tokens: int,

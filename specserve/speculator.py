@@ -188,7 +188,7 @@ class Speculator:
             rate = self.policy.acceptance_rate(seq.seq_id, method)
             uses_model = self.proposers[method].uses_model
             host = 0.0 if uses_model else self.policy.proposer_seconds(method)
-            candidates.append(Candidate(seq.seq_id, k_max, rate, uses_model, host))
+            candidates.append(Candidate(seq.seq_id, k_max, rate, uses_model, host, method))
         self._early_seconds = time.perf_counter() - t0
         if not candidates:
             return

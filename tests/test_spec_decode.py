@@ -379,6 +379,30 @@ def test_policy_retries_a_sequence_it_stopped_speculating_for():
     assert ks[0] == 0 and ks[-1] > 0
 
 
+def test_policy_tries_a_method_again_after_its_first_drafts_failed():
+    """A method whose only evidence is a few rejected drafts (a warm-up request, an unlucky
+    first one) starts every later sequence below break-even. Its global rate fades toward the
+    starting prior while nothing drafts, so a later sequence drafts again instead of that
+    method staying off for good."""
+    policy = SpeculationPolicy()
+    for _ in range(5):
+        for n in range(1, 6):
+            policy.record_target(n, 0.100 + 0.050 * n)  # a draft token costs a third of a step
+    for _ in range(8):
+        policy.record_acceptance(1, "suffix", 4, 0)
+    policy.forget(1)
+
+    def k_now(seq: int) -> int:
+        rate = policy.acceptance_rate(seq, "suffix")
+        return policy.choose([Candidate(seq, 4, rate, False, 0.0, "suffix")], 0)[seq]
+
+    start = policy.acceptance_rate(2, "suffix")
+    assert k_now(2) == 0
+    ks = [k_now(3 + i) for i in range(200)]  # new sequences, none of them drafting yet
+    assert ks[-1] > 0
+    assert policy.acceptance_rate(999, "suffix") > start
+
+
 def test_policy_weighs_drafts_against_the_whole_step():
     """Sequences that draft nothing this step still decode in it: a draft that pays for its
     own sequence alone must not slow seven plain decoders down (per-token cost 3 ms, 10 ms
