@@ -215,7 +215,9 @@ def test_openai_async_chat(server, offline):
     asyncio.run(run())
 
 
-async def _stream_text(session, url: str, body: dict, key: str = KEY) -> tuple[str, str]:
+async def _stream_text(session, url: str, body: dict, key: str = KEY,
+                       on_first=None) -> tuple[str, str]:
+    """The streamed text and finish reason; ``on_first()`` runs when the first chunk arrives."""
     headers = {"Authorization": f"Bearer {key}"}
     text, reason = [], None
     async with session.post(url + "/v1/completions", json={**body, "stream": True},
@@ -225,6 +227,8 @@ async def _stream_text(session, url: str, body: dict, key: str = KEY) -> tuple[s
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
             choice = json.loads(line[6:])["choices"][0]
+            if on_first is not None and not text:
+                on_first()
             text.append(choice["text"])
             reason = choice["finish_reason"] or reason
     return "".join(text), reason
@@ -416,11 +420,10 @@ def test_cli_serve_sigterm_aborts_in_flight_and_exits_0(model_dir, unused_tcp_po
 
         async def run() -> tuple[str, str]:
             async with aiohttp.ClientSession() as s:
-                task = asyncio.create_task(_stream_text(s, url, {
-                    **GOOD, "max_tokens": 240, "ignore_eos": True}))
-                await asyncio.sleep(0.3)
-                proc.send_signal(signal.SIGTERM)
-                return await task
+                # SIGTERM on the first chunk: a fixed sleep let a fast CPU finish all 240
+                # tokens first
+                return await _stream_text(s, url, {**GOOD, "max_tokens": 240, "ignore_eos": True},
+                                          on_first=lambda: proc.send_signal(signal.SIGTERM))
 
         text, reason = asyncio.run(run())
         assert reason == "abort" and text
