@@ -17,6 +17,7 @@ uses the dense path: slower, same weights.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -189,6 +190,10 @@ def unpack(fmt: str, n: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor 
     return BlockQuantWeight(fmt, file_qs.to(torch.uint8).contiguous(), rows(d), rows(m))
 
 
+_DEFAULT_KERNEL = 4  # AVX2, 4 rows per pass: runs on every CPU the extension builds for
+_kernel_codes = functools.cache(quant_ext.kernel_code)
+
+
 class BlockQuantLinear(nn.Module):
     """y = x @ W^T (+ bias) with W block-quantized. Float32 in, float32 out. The planes are
     buffers in the kernel's layout (``pack``: 8 features interleaved, N padded to a multiple of
@@ -206,8 +211,9 @@ class BlockQuantLinear(nn.Module):
             bias = bias.to(torch.float32)
             bias = torch.cat([bias, bias.new_zeros(qs.shape[0] * LANES - bias.numel())])
         self.register_buffer("bias", bias)
-        # Rows sharing each unpacked weight block, per row count: numerically irrelevant (the
-        # kernel is batch-invariant), so the tuner (kernels/tuner.py) picks by speed alone.
+        # Kernel per row count ("<isa>/<rows sharing each unpacked weight block>"): numerically
+        # irrelevant (every form gives the same bits, batch-invariant), so the tuner
+        # (kernels/tuner.py) picks by speed alone.
         self.rows_plan: RowPlan | None = None
         self._dense: torch.Tensor | None = None
         self._ext = quant_ext.load() if quant_ext.available() else None
@@ -233,9 +239,10 @@ class BlockQuantLinear(nn.Module):
         """True when N is not a multiple of 8: the kernel's output has zero features to cut."""
         return self.out_features % LANES != 0
 
-    def rows_per_pass(self, rows: int) -> int:
+    def kernel(self, rows: int) -> int:
+        """block_linear's kernel argument for ``rows`` rows (16 * isa + rows per pass)."""
         plan = self.rows_plan
-        return 4 if plan is None else int(plan.get(rows))
+        return _DEFAULT_KERNEL if plan is None else _kernel_codes(plan.get(rows))
 
     @property
     def has_kernel(self) -> bool:
@@ -248,14 +255,16 @@ class BlockQuantLinear(nn.Module):
         return self._planes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        return self.run(x, self.rows_per_pass(x.shape[0]))
+        return self.run(x, self.kernel(x.shape[0]))
 
-    def run(self, x: torch.Tensor, rows_per_pass: int) -> torch.Tensor:
+    def run(self, x: torch.Tensor, kernel: int = 4) -> torch.Tensor:
+        """y for x with block_linear's ``kernel`` (16 * isa + rows per pass; the dense fallback
+        ignores it)."""
         ext = self._ext
         if ext is not None and x.device.type == "cpu":
             if x.dtype != torch.float32 or not x.is_contiguous():
                 x = x.to(torch.float32).contiguous()
-            y = ext.block_linear(x, *self._planes, rows_per_pass)
+            y = ext.block_linear(x, *self._planes, kernel)
             return y[:, : self.out_features].contiguous() if self.padded else y
         if self._dense is None or self._dense.device != x.device:
             self._dense = self.weight.dequantize().to(x.device)

@@ -5,7 +5,9 @@ The extension is compiled on first use with torch's own C++ extension builder (g
 cached under ``$SPECSERVE_CACHE_DIR/ext/<key>``, keyed by the source, the torch version and the
 Python version, so later starts load it in well under a second. It needs AVX2 and FMA (every
 x86-64 server CPU since 2013); elsewhere ``available()`` is False and quantized models fall back
-to torch kernels (see kernels/quant.py).
+to torch kernels (see kernels/quant.py). Faster forms for CPUs with AVX-VNNI or AVX-512 VNNI are
+compiled in beside the AVX2 one (function-level targets) and chosen at run time: the kernel tuner
+times every form this CPU runs (``supported_isas``), since the fastest one differs by CPU.
 """
 
 from __future__ import annotations
@@ -76,3 +78,24 @@ def available() -> bool:
     except Exception as exc:  # a missing compiler, a CPU without AVX2: fall back, say why once
         log.warning("block-quantized CPU kernels unavailable, using torch kernels: %s", exc)
         return False
+
+
+# The block kernels' instruction-set forms, in the C++ extension's numbering (qgemm.cpp).
+ISAS = ("avx2", "avxvnni", "avx512vnni")
+
+
+@functools.cache
+def supported_isas() -> tuple[str, ...]:
+    """The forms of the block kernels this CPU runs, AVX2 first; () without the extension."""
+    if not available():
+        return ()
+    ext = load()
+    return tuple(name for i, name in enumerate(ISAS) if ext.block_isa_supported(i))
+
+
+def kernel_code(name: str) -> int:
+    """``"<isa>/<rows per pass>"`` (a tuner candidate) -> block_linear's kernel argument."""
+    isa, _, rows = name.partition("/")
+    if isa not in ISAS or rows not in ("1", "2", "4", "8"):
+        raise ValueError(f"unknown block kernel {name!r}: expected <isa>/<1|2|4|8>, isa in {ISAS}")
+    return 16 * ISAS.index(isa) + int(rows)

@@ -7,10 +7,11 @@ modules of its group in turn (distinct weights, so as cold in cache as in a real
 candidates interleaved, the median of ``repeats`` kept.
 
 Candidates: for dense float projections the entries of ``specserve.kernels.linear.DENSE_KERNELS``;
-for block-quantized ones the rows each unpacked weight block is shared by (1, 2 or 4; the numbers
-are identical, only the speed differs). The table also gives the measured cost of all projections of
-one forward per row count (``projection_seconds``), which the speculation policy uses to price steps
-it has not measured yet.
+for block-quantized ones every instruction-set form this CPU runs (AVX2, AVX-VNNI, AVX-512 VNNI)
+times the rows each unpacked weight block is shared by (1, 2, 4 or 8), named "<isa>/<rows>";
+the numbers are identical, only the speed differs. The table also gives the measured cost of all
+projections of one forward per row count (``projection_seconds``), which the speculation policy
+uses to price steps it has not measured yet.
 
 Cache: ``$SPECSERVE_CACHE_DIR/tune/<sha of CPU model, torch version, threads, model>.json``.
 """
@@ -36,8 +37,8 @@ from specserve.kernels.quant import BlockQuantLinear
 
 log = logging.getLogger(__name__)
 
-_FORMAT = "1"
-BLOCK_ROWS_PER_PASS = (1, 2, 4)
+_FORMAT = "2"
+BLOCK_ROWS_PER_PASS = (1, 2, 4, 8)
 
 
 def cpu_model() -> str:
@@ -152,7 +153,9 @@ def model_groups(model: nn.Module) -> dict[str, list[nn.Module]]:
 
 def _candidates(module: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], object]]:
     if isinstance(module, BlockQuantLinear):
-        return {str(r): (lambda r=r: module.run(x, r)) for r in BLOCK_ROWS_PER_PASS}
+        codes = {f"{isa}/{r}": quant_ext.kernel_code(f"{isa}/{r}")
+                 for isa in quant_ext.supported_isas() for r in BLOCK_ROWS_PER_PASS}
+        return {n: (lambda c=c: module.run(x, c)) for n, c in codes.items()}
     assert isinstance(module, DenseLinear)
     w, b = module.weight, module.bias
     return {name: (lambda f=f: f(x, w, b)) for name, f in DENSE_KERNELS.items()}
@@ -200,6 +203,7 @@ class KernelTuner:
             cpu_model(), torch.__version__, str(torch.get_num_threads()), self.model_key, shapes,
             ",".join(map(str, row_counts)), _FORMAT,
             ",".join(DENSE_KERNELS), ",".join(map(str, BLOCK_ROWS_PER_PASS)),
+            ",".join(quant_ext.supported_isas()),
             quant_ext.build_key(),
         ])
         return self.cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
@@ -273,7 +277,7 @@ def apply_plan(groups: dict[str, list[nn.Module]], table: TuneTable) -> None:
         if result is None:
             continue
         if sig.startswith("block:"):
-            plan = RowPlan("4")
+            plan = RowPlan("avx2/4")
             for rows, name in result.choice.items():
                 plan.set(rows, name)
             for m in modules:

@@ -161,7 +161,7 @@ class DecoderLayer(nn.Module):
             if whole is not None:  # the same kernels in one C++ call (kernels/csrc/fused.cpp)
                 attn = self.self_attn
                 rows = h.shape[0]
-                rpp = [p.rows_per_pass(rows) for p in whole[1]]
+                rpp = [p.kernel(rows) for p in whole[1]]
                 self.fused.decoder_layer_(
                     h, *whole[0], rpp, rope[0], rope[1], attn.num_heads, attn.num_kv_heads,
                     attn.head_dim, kv_cache[0], kv_cache[1], meta.block_tables, whole[2].seq_of,
@@ -292,7 +292,7 @@ class CausalLM(nn.Module):
             rows = h.shape[0]
             if self._kv_flat[0] is not kv_caches:
                 self._kv_flat = (kv_caches, [t for kv in kv_caches for t in kv])
-            rpp = [p.rows_per_pass(rows) for p in projections]
+            rpp = [p.kernel(rows) for p in projections]
             # with a capture: one call per run of layers up to each captured layer
             segments = [(run, 0, len(self.layers))] if capture is None else \
                 self._stack_segments(capture.layers)

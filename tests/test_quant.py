@@ -214,6 +214,36 @@ def test_block_linear_is_batch_invariant(fmt):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_instruction_set_form_gives_the_avx2_bits(fmt, bias):
+    """The VNNI forms (on CPUs that have them) compute the same integer dots and the same float
+    ops per feature as AVX2: equal bit for bit at every row count and rows per pass, with an
+    odd number of 8-feature groups (the AVX-512 form's pairs leave one over) and Q8_0 codes at
+    both ends of int8."""
+    w = quantize(_weights(200, 96, 16), fmt)
+    if fmt == "q8_0":
+        w.qs[0, :4] = -128  # a file may hold -128; quantize() never writes it
+        w.qs[1, :4] = 127
+    lin = BlockQuantLinear(w, torch.randn(200) if bias else None)
+    x = torch.randn(37, 96, generator=torch.Generator().manual_seed(17))
+    want = lin.run(x, quant_ext.kernel_code("avx2/1"))
+    isas = quant_ext.supported_isas()
+    assert isas[0] == "avx2"
+    for isa in isas:
+        for per_pass in ("1", "2", "4", "8"):
+            code = quant_ext.kernel_code(f"{isa}/{per_pass}")
+            for rows in (1, 2, 3, 5, 8, 37):
+                assert torch.equal(lin.run(x[:rows], code), want[:rows]), (isa, per_pass, rows)
+
+
+def test_unknown_block_kernel_names_the_forms():
+    with pytest.raises(ValueError, match="avx512vnni"):
+        quant_ext.kernel_code("sse/4")
+    with pytest.raises(RuntimeError, match="instruction set"):
+        BlockQuantLinear(quantize(_weights(8, 32, 1), "q4_1")).run(torch.randn(1, 32), 16 * 7 + 4)
+
+
 def test_fused_ops_are_batch_invariant():
     g = torch.Generator().manual_seed(8)
     x, r, w = torch.randn(33, 64, generator=g), torch.randn(33, 64, generator=g), torch.randn(64)

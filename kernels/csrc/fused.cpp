@@ -202,7 +202,8 @@ inline void weigh_values_nv(const float* p, const float* const* vals, int64_t a0
   constexpr int kN = NV > 0 ? NV : 32;
   const int64_t n = NV > 0 ? NV : nv;
   __m256 a[kN];
-  for (int64_t i = 0; i < n; ++i) a[i] = resume ? _mm256_loadu_ps(acc + 8 * i) : _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i)
+    a[i] = resume ? _mm256_loadu_ps(acc + 8 * i) : _mm256_setzero_ps();
   for (int64_t j = a0; j < z; ++j) {
     const __m256 pv = _mm256_set1_ps(p[j]);
     const float* v = vals[j];
@@ -268,7 +269,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   std::vector<int64_t> tile_start;
   for (int64_t r = 0; r < n_runs; ++r) {
     const int64_t len = run_start[r + 1] - run_start[r];
-    for (int64_t i = 0; i < run_tiles[r]; ++i) tile_start.push_back(run_start[r] + i * len / run_tiles[r]);
+    for (int64_t i = 0; i < run_tiles[r]; ++i)
+      tile_start.push_back(run_start[r] + i * len / run_tiles[r]);
   }
   const int64_t n_tiles = (int64_t)tile_start.size();
   tile_start.push_back(T);
@@ -377,12 +379,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                         const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& bias,
-                        int64_t rows_per_pass);  // qgemm.cpp
+                        int64_t kernel);  // qgemm.cpp (kernel = 16 * isa + rows per pass)
 
 // One whole decoder layer of a block-quantized Llama-family model, in place on the residual
 // stream h [T, hidden]: the same kernels, in the same order, as the Python path of
 // target/model.py (DecoderLayer with fused ops), without ~15 Python-level calls per layer.
-// Projection p is (qs, d, m or None, bias or None); rpp: rows per pass for qkv, o, gate_up, down.
+// Projection p is (qs, d, m or None, bias or None); rpp: the block_linear kernel (16 * isa +
+// rows per pass) for qkv, o, gate_up, down.
 void decoder_layer_(at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                     const at::Tensor& qkv_qs, const at::Tensor& qkv_d,
                     const c10::optional<at::Tensor>& qkv_m,

@@ -15,6 +15,13 @@
 // Per feature and block: an exact int32 dot product of the block, then acc += float(dot) *
 // (d * dx) (+ m * sum(x) for Q4_1), blocks in order.
 //
+// Instruction sets (the ``kernel`` argument, 16 * isa + rows per pass): 0 AVX2 (maddubs: 16-bit
+// pair sums, widened), 1 AVX-VNNI and 2 AVX-512 VNNI (dpbusd: 4 products straight into int32;
+// the 512-bit form runs two groups, 16 features, per instruction). Q8_0's signed codes go in
+// as unsigned w + 128 and lose 128 * sum(x) after (exact). The integer dot is exact in every
+// form and the float ops per feature are the same, so all variants give the same bits; the
+// tuner (kernels/tuner.py) picks whichever runs fastest on the machine.
+//
 // Batch invariance: y[i, n] is computed by the same sequence of instructions whatever M is and
 // however rows are grouped (1, 2 or 4 rows share each unpacked weight block; each row keeps its
 // own accumulators and its own block order), and whatever the thread split over groups. So row
@@ -28,6 +35,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -48,7 +56,7 @@ inline float hsum(__m256 v) {
 
 // One row of activations -> int8 per block of 32 (scale amax/127, round to nearest even) plus
 // the block scale and the exact float sum of the block (for Q4_1's min term).
-void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx) {
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* xs) {
   const int64_t KB = K / QK;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < KB; ++b) {
@@ -71,10 +79,16 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx) {
     sx[b] = hsum(sum);
     const __m256 vid = _mm256_set1_ps(id);
     __m256i i32[4];
+    __m256i isum = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
-      __m256 s = _mm256_round_ps(_mm256_mul_ps(v[j], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m256 s = _mm256_round_ps(_mm256_mul_ps(v[j], vid),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       i32[j] = _mm256_cvtps_epi32(s);
+      isum = _mm256_add_epi32(isum, i32[j]);
     }
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), isum);
+    xs[b] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
     // Pack 32 int32 -> 32 int8 in order (packs work per 128-bit lane; permute restores order).
     __m256i p01 = _mm256_packs_epi32(i32[0], i32[1]);
     __m256i p23 = _mm256_packs_epi32(i32[2], i32[3]);
@@ -90,6 +104,7 @@ struct QuantRows {
   std::vector<int8_t> xq;  // [M, K]
   std::vector<float> dx;   // [M, KB] block scales
   std::vector<float> sx;   // [M, KB] block float sums
+  std::vector<int32_t> xs;  // [M, KB] block code sums (Q8_0 under dpbusd)
 };
 
 const QuantRows& quantize_rows(const at::Tensor& x) {
@@ -98,46 +113,58 @@ const QuantRows& quantize_rows(const at::Tensor& x) {
   q.xq.resize(M * K);
   q.dx.resize(M * KB);
   q.sx.resize(M * KB);
+  q.xs.resize(M * KB);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.xq.data();
   float* dp = q.dx.data();
   float* sp = q.sx.data();
+  int32_t* ip = q.xs.data();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      quantize_row(xp + i * K, K, qp + i * K, dp + i * KB, sp + i * KB);
+      quantize_row(xp + i * K, K, qp + i * K, dp + i * KB, sp + i * KB, ip + i * KB);
   });
   return q;
 }
 
+// 4 activation bytes (one group of 4 codes) broadcast to all 8 lanes.
 inline __m256i bcast4(const int8_t* p) {
-  return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm256_set1_epi32(v);
 }
 
-// Q4_1, 8 columns interleaved: per (group, block) 128 bytes = 4 vectors; byte 4c+t of vector v
-// holds q[c][4v+t] (low nibble) and q[c][4v+16+t] (high nibble).
 // 8 float16 scales -> float32 (exact).
 inline __m256 load_half8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// One Q4_1 block of a group (128 bytes) -> its 8 vectors of codes 0..15: w[v] the low nibbles
+// of vector v, w[v + 4] the high ones.
+inline void unpack_q4(const uint8_t* p, __m256i* w) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int v = 0; v < 4; ++v) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v));
+    w[v] = _mm256_and_si256(raw, low);
+    w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+  }
+}
+
+// Q4_1, 8 features interleaved: per (group, block) 128 bytes = 4 vectors; byte 4c+t of vector v
+// holds q[c][4v+t] (low nibble) and q[c][4v+16+t] (high nibble). out[r]: the 8 features of
+// row i0 + r.
 template <int R>
 void q4_group(int64_t g, int64_t i0, int64_t KB, const uint8_t* qs, const uint16_t* d,
-              const uint16_t* m,
-              const int8_t* xq, const float* dx, const float* sx, int64_t K, __m256* out) {
+              const uint16_t* m, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+              __m256* out) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const uint8_t* qg = qs + g * KB * 128;
   const uint16_t* dg = d + g * KB * 8;
   const uint16_t* mg = m + g * KB * 8;
-  const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < KB; ++b) {
     __m256i w[8];
-    for (int v = 0; v < 4; ++v) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + b * 128 + 32 * v));
-      w[v] = _mm256_and_si256(raw, low);
-      w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-    }
+    unpack_q4(qg + b * 128, w);
     const __m256 dv = load_half8(dg + b * 8);
     const __m256 mv = load_half8(mg + b * 8);
     for (int r = 0; r < R; ++r) {
@@ -145,7 +172,8 @@ void q4_group(int64_t g, int64_t i0, int64_t KB, const uint8_t* qs, const uint16
       const int8_t* xb = xq + i * K + b * QK;
       // 8 products of <= 2*15*127 each: the 16-bit sum stays below 2^15.
       __m256i s = _mm256_maddubs_epi16(w[0], bcast4(xb));
-      for (int v = 1; v < 8; ++v) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[v], bcast4(xb + 4 * v)));
+      for (int v = 1; v < 8; ++v)
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[v], bcast4(xb + 4 * v)));
       const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
       acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * KB + b])), acc[r]);
       acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[i * KB + b]), acc[r]);
@@ -154,8 +182,9 @@ void q4_group(int64_t g, int64_t i0, int64_t KB, const uint8_t* qs, const uint16
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
-// Q8_0, 8 columns interleaved: per (group, block) 256 bytes = 8 vectors; byte 4c+t of vector v
-// holds q[c][4v+t].
+// Q8_0, 8 features interleaved: per (group, block) 256 bytes = 8 vectors; byte 4c+t of vector v
+// holds q[c][4v+t]. Signed codes: |w| times x carrying w's sign (maddubs takes unsigned x
+// signed), and each product pair (<= 2*127*127) needs its own 32-bit widening.
 template <int R>
 void q8_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const uint16_t* d,
               const int8_t* xq, const float* dx, int64_t K, __m256* out) {
@@ -174,80 +203,376 @@ void q8_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const uint16_
     for (int r = 0; r < R; ++r) {
       const int64_t i = i0 + r;
       const int8_t* xb = xq + i * K + b * QK;
-      __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(a[0], _mm256_sign_epi8(bcast4(xb), w[0])), ones);
+      __m256i s =
+          _mm256_madd_epi16(_mm256_maddubs_epi16(a[0], _mm256_sign_epi8(bcast4(xb), w[0])), ones);
       for (int v = 1; v < 8; ++v)
         s = _mm256_add_epi32(s, _mm256_madd_epi16(
                 _mm256_maddubs_epi16(a[v], _mm256_sign_epi8(bcast4(xb + 4 * v), w[v])), ones));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * KB + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                               _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * KB + b])), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
+#define SPECSERVE_TARGET_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define SPECSERVE_TARGET_AVX512 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// AVX-VNNI forms of q4_group / q8_group: dpbusd adds 4 u8 x s8 products into each int32 lane.
+// Two accumulators halve the chain of dependent dpbusd a lone row waits on.
+template <int R>
+SPECSERVE_TARGET_VNNI void q4_group_vnni(int64_t g, int64_t i0, int64_t KB, const uint8_t* qs,
+                                         const uint16_t* d, const uint16_t* m, const int8_t* xq,
+                                         const float* dx, const float* sx, int64_t K,
+                                         __m256* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const uint8_t* qg = qs + g * KB * 128;
+  const uint16_t* dg = d + g * KB * 8;
+  const uint16_t* mg = m + g * KB * 8;
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256i w[8];
+    unpack_q4(qg + b * 128, w);
+    const __m256 dv = load_half8(dg + b * 8);
+    const __m256 mv = load_half8(mg + b * 8);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = i0 + r;
+      const int8_t* xb = xq + i * K + b * QK;
+      // two dependent chains for 1-2 rows, one per row beyond (rows give the ILP)
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      for (int v = 0; v < 8; v += 2) {
+        s0 = _mm256_dpbusd_avx_epi32(s0, w[v], bcast4(xb + 4 * v));
+        if constexpr (R <= 2)
+          s1 = _mm256_dpbusd_avx_epi32(s1, w[v + 1], bcast4(xb + 4 * v + 4));
+        else
+          s0 = _mm256_dpbusd_avx_epi32(s0, w[v + 1], bcast4(xb + 4 * v + 4));
+      }
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * KB + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[i * KB + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+template <int R>
+SPECSERVE_TARGET_VNNI void q8_group_vnni(int64_t g, int64_t i0, int64_t KB, const int8_t* qs,
+                                         const uint16_t* d, const int8_t* xq, const float* dx,
+                                         const int32_t* xs, int64_t K, __m256* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* qg = qs + g * KB * 256;
+  const uint16_t* dg = d + g * KB * 8;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256i u[8];  // w + 128 as unsigned bytes
+    for (int v = 0; v < 8; ++v)
+      u[v] = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + b * 256 + 32 * v)), flip);
+    const __m256 dv = load_half8(dg + b * 8);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = i0 + r;
+      const int8_t* xb = xq + i * K + b * QK;
+      // two dependent chains for 1-2 rows, one per row beyond (rows give the ILP)
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      for (int v = 0; v < 8; v += 2) {
+        s0 = _mm256_dpbusd_avx_epi32(s0, u[v], bcast4(xb + 4 * v));
+        if constexpr (R <= 2)
+          s1 = _mm256_dpbusd_avx_epi32(s1, u[v + 1], bcast4(xb + 4 * v + 4));
+        else
+          s0 = _mm256_dpbusd_avx_epi32(s0, u[v + 1], bcast4(xb + 4 * v + 4));
+      }
+      const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1),
+                                         _mm256_set1_epi32(128 * xs[i * KB + b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                               _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * KB + b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// 8 float16 scales at a, 8 at b -> 16 float32 (exact).
+SPECSERVE_TARGET_AVX512 inline __m512 load_half16(const uint16_t* a, const uint16_t* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+
+// AVX-512 VNNI: groups g and g + 1 side by side in one 512-bit vector (16 features), whose
+// outputs are adjacent in y, so each row stores 16 floats at once.
+template <int R>
+SPECSERVE_TARGET_AVX512 void q4_pair_avx512(int64_t g, int64_t i0, int64_t KB,
+                                            const uint8_t* qs, const uint16_t* d,
+                                            const uint16_t* m, const int8_t* xq, const float* dx,
+                                            const float* sx, int64_t K, __m512* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* qa = qs + g * KB * 128;
+  const uint8_t* qb = qa + KB * 128;
+  const uint16_t* da = d + g * KB * 8;
+  const uint16_t* ma = m + g * KB * 8;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < KB; ++b) {
+    __m512i w[8];
+    for (int v = 0; v < 4; ++v) {
+      const __m512i raw = _mm512_inserti64x4(
+          _mm512_castsi256_si512(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + b * 128 + 32 * v))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + b * 128 + 32 * v)), 1);
+      w[v] = _mm512_and_si512(raw, low);
+      w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+    const __m512 dv = load_half16(da + b * 8, da + KB * 8 + b * 8);
+    const __m512 mv = load_half16(ma + b * 8, ma + KB * 8 + b * 8);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = i0 + r;
+      const int8_t* xb = xq + i * K + b * QK;
+      // two dependent chains for 1-2 rows, one per row beyond (rows give the ILP)
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int v = 0; v < 8; v += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[v], _mm512_set1_epi32(load4(xb + 4 * v)));
+        if constexpr (R <= 2)
+          s1 = _mm512_dpbusd_epi32(s1, w[v + 1], _mm512_set1_epi32(load4(xb + 4 * v + 4)));
+        else
+          s0 = _mm512_dpbusd_epi32(s0, w[v + 1], _mm512_set1_epi32(load4(xb + 4 * v + 4)));
+      }
+      const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(dv, _mm512_set1_ps(dx[i * KB + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[i * KB + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+template <int R>
+SPECSERVE_TARGET_AVX512 void q8_pair_avx512(int64_t g, int64_t i0, int64_t KB, const int8_t* qs,
+                                            const uint16_t* d, const int8_t* xq, const float* dx,
+                                            const int32_t* xs, int64_t K, __m512* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* qa = qs + g * KB * 256;
+  const int8_t* qb = qa + KB * 256;
+  const uint16_t* da = d + g * KB * 8;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < KB; ++b) {
+    __m512i u[8];  // w + 128 as unsigned bytes
+    for (int v = 0; v < 8; ++v)
+      u[v] = _mm512_xor_si512(
+          _mm512_inserti64x4(
+              _mm512_castsi256_si512(
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + b * 256 + 32 * v))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + b * 256 + 32 * v)), 1),
+          flip);
+    const __m512 dv = load_half16(da + b * 8, da + KB * 8 + b * 8);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = i0 + r;
+      const int8_t* xb = xq + i * K + b * QK;
+      // two dependent chains for 1-2 rows, one per row beyond (rows give the ILP)
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int v = 0; v < 8; v += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, u[v], _mm512_set1_epi32(load4(xb + 4 * v)));
+        if constexpr (R <= 2)
+          s1 = _mm512_dpbusd_epi32(s1, u[v + 1], _mm512_set1_epi32(load4(xb + 4 * v + 4)));
+        else
+          s0 = _mm512_dpbusd_epi32(s0, u[v + 1], _mm512_set1_epi32(load4(xb + 4 * v + 4)));
+      }
+      const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1),
+                                         _mm512_set1_epi32(128 * xs[i * KB + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
+                               _mm512_mul_ps(dv, _mm512_set1_ps(dx[i * KB + b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+// One block_linear call's operands, for the per-instruction-set loops below.
+struct Job {
+  const void* qs;
+  const uint16_t* d;
+  const uint16_t* m;  // null for Q8_0
+  const float* bias;  // null when none
+  const int8_t* xq;
+  const float* dx;
+  const float* sx;
+  const int32_t* xs;
+  float* y;
+  int64_t M, K, KB, N;
+  int rows_per_pass;
+};
+
+// Each ISA's pass: rows i..i+R-1 of group g (of groups g, g + 1 for AVX-512), bias added, stored.
+// Plain functions, not lambdas: a lambda does not inherit its enclosing function's target.
+template <int R>
+void avx2_pass(const Job& j, int64_t g, int64_t i) {
+  __m256 out[R];
+  if (j.m != nullptr)
+    q4_group<R>(g, i, j.KB, static_cast<const uint8_t*>(j.qs), j.d, j.m, j.xq, j.dx, j.sx, j.K,
+                out);
+  else
+    q8_group<R>(g, i, j.KB, static_cast<const int8_t*>(j.qs), j.d, j.xq, j.dx, j.K, out);
+  const __m256 bv = j.bias != nullptr ? _mm256_loadu_ps(j.bias + 8 * g) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_ps(j.y + (i + r) * j.N + 8 * g,
+                     j.bias != nullptr ? _mm256_add_ps(out[r], bv) : out[r]);
+}
+
+template <int R>
+SPECSERVE_TARGET_VNNI void vnni_pass(const Job& j, int64_t g, int64_t i) {
+  __m256 out[R];
+  if (j.m != nullptr)
+    q4_group_vnni<R>(g, i, j.KB, static_cast<const uint8_t*>(j.qs), j.d, j.m, j.xq, j.dx, j.sx,
+                     j.K, out);
+  else
+    q8_group_vnni<R>(g, i, j.KB, static_cast<const int8_t*>(j.qs), j.d, j.xq, j.dx, j.xs, j.K,
+                     out);
+  const __m256 bv = j.bias != nullptr ? _mm256_loadu_ps(j.bias + 8 * g) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_ps(j.y + (i + r) * j.N + 8 * g,
+                     j.bias != nullptr ? _mm256_add_ps(out[r], bv) : out[r]);
+}
+
+template <int R>
+SPECSERVE_TARGET_AVX512 void avx512_pass(const Job& j, int64_t g, int64_t i) {
+  __m512 out[R];
+  if (j.m != nullptr)
+    q4_pair_avx512<R>(g, i, j.KB, static_cast<const uint8_t*>(j.qs), j.d, j.m, j.xq, j.dx,
+                      j.sx, j.K, out);
+  else
+    q8_pair_avx512<R>(g, i, j.KB, static_cast<const int8_t*>(j.qs), j.d, j.xq, j.dx, j.xs, j.K,
+                      out);
+  const __m512 bv = j.bias != nullptr ? _mm512_loadu_ps(j.bias + 8 * g) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(j.y + (i + r) * j.N + 8 * g,
+                     j.bias != nullptr ? _mm512_add_ps(out[r], bv) : out[r]);
+}
+
+// All rows of group g: 8 at a time, then 4, 2, 1, as rows_per_pass allows.
+#define SPECSERVE_ROW_PASSES(PASS)                                               \
+  {                                                                              \
+    int64_t i = 0;                                                               \
+    if (j.rows_per_pass >= 8)                                                    \
+      for (; i + 8 <= j.M; i += 8) PASS<8>(j, g, i);                             \
+    if (j.rows_per_pass >= 4)                                                    \
+      for (; i + 4 <= j.M; i += 4) PASS<4>(j, g, i);                             \
+    if (j.rows_per_pass >= 2)                                                    \
+      for (; i + 2 <= j.M; i += 2) PASS<2>(j, g, i);                             \
+    for (; i < j.M; ++i) PASS<1>(j, g, i);                                       \
+  }
+
+void run_avx2(const Job& j, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) SPECSERVE_ROW_PASSES(avx2_pass)
+}
+
+SPECSERVE_TARGET_VNNI void run_vnni(const Job& j, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) SPECSERVE_ROW_PASSES(vnni_pass)
+}
+
+// Pairs [p0, p1) of groups (2p, 2p + 1); an odd last group runs the AVX2 form (same bits).
+SPECSERVE_TARGET_AVX512 void run_avx512(const Job& j, int64_t G, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t g = 2 * p;
+    if (g + 1 == G)
+      run_avx2(j, g, g + 1);
+    else
+      SPECSERVE_ROW_PASSES(avx512_pass)
+  }
+}
+#undef SPECSERVE_ROW_PASSES
+
+enum Isa : int64_t { kAvx2 = 0, kAvxVnni = 1, kAvx512Vnni = 2 };
+
+bool isa_supported(int64_t isa) {
+  switch (isa) {
+    case kAvx2:
+      return true;
+    case kAvxVnni:
+      return __builtin_cpu_supports("avxvnni");
+    case kAvx512Vnni:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    default:
+      return false;
+  }
+}
+
 }  // namespace
 
+// kernel = 16 * isa + rows_per_pass (see the header).
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                         const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& bias,
-                        int64_t rows_per_pass) {
+                        int64_t kernel) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   const bool q4 = m.has_value();
   const int64_t M = x.size(0), K = x.size(1), G = qs.size(0), KB = qs.size(1), N = 8 * G;
   TORCH_CHECK(K == KB * QK, "x has ", K, " columns, the weight has ", KB, " blocks of 32");
   TORCH_CHECK(qs.dim() == 3 && qs.size(2) == (q4 ? 128 : 256) && qs.is_contiguous(),
-              "packed weight must be [N / 8, K / 32, ", q4 ? 128 : 256, "] (kernels/quant.py pack)");
+              "packed weight must be [N / 8, K / 32, ", q4 ? 128 : 256,
+              "] (kernels/quant.py pack)");
   TORCH_CHECK(d.sizes() == at::IntArrayRef({G, KB, 8}) && d.is_contiguous() &&
                   d.scalar_type() == at::kHalf,
               "scales must be float16 [N / 8, K / 32, 8]");
-  TORCH_CHECK(!q4 || (m->sizes() == d.sizes() && m->is_contiguous() && m->scalar_type() == at::kHalf),
+  TORCH_CHECK(!q4 || (m->sizes() == d.sizes() && m->is_contiguous() &&
+                      m->scalar_type() == at::kHalf),
               "mins must be like scales");
   TORCH_CHECK(!bias.has_value() || bias->numel() == N, "bias must have N (padded to 8) entries");
-  TORCH_CHECK(rows_per_pass == 1 || rows_per_pass == 2 || rows_per_pass == 4,
-              "rows_per_pass must be 1, 2 or 4");
+  const int64_t isa = kernel / 16, rows_per_pass = kernel % 16;
+  TORCH_CHECK(rows_per_pass == 1 || rows_per_pass == 2 || rows_per_pass == 4 ||
+                  rows_per_pass == 8,
+              "kernel % 16 (rows per pass) must be 1, 2, 4 or 8, got ", rows_per_pass);
+  TORCH_CHECK(isa_supported(isa), "kernel / 16 = ", isa,
+              " names an instruction set this CPU lacks (0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI)");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const QuantRows& xr = quantize_rows(x);
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
-  const uint16_t* mp = q4 ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr;
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const int8_t* xqp = xr.xq.data();
-  const float* dxp = xr.dx.data();
-  const float* sxp = xr.sx.data();
-  float* yp = y.data_ptr<float>();
+  const Job job{qs.data_ptr(),
+                reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                q4 ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr,
+                bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                xr.xq.data(),
+                xr.dx.data(),
+                xr.sx.data(),
+                xr.xs.data(),
+                y.data_ptr<float>(),
+                M,
+                K,
+                KB,
+                N,
+                static_cast<int>(rows_per_pass)};
   // Split over groups of 8 output features only: a row's sums never depend on the thread split.
-  const int64_t grain = std::max<int64_t>(2, G / (4 * at::get_num_threads()));
-  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const __m256 bv = bp != nullptr ? _mm256_loadu_ps(bp + 8 * g) : _mm256_setzero_ps();
-      int64_t i = 0;
-#define SPECSERVE_RUN(R)                                                                     \
-  {                                                                                          \
-    __m256 out[R];                                                                           \
-    if (q4)                                                                                  \
-      q4_group<R>(g, i, KB, reinterpret_cast<const uint8_t*>(qs.data_ptr()), dp, mp, xqp,    \
-                  dxp, sxp, K, out);                                                         \
-    else                                                                                     \
-      q8_group<R>(g, i, KB, reinterpret_cast<const int8_t*>(qs.data_ptr()), dp, xqp, dxp, K, \
-                  out);                                                                      \
-    for (int r = 0; r < R; ++r)                                                              \
-      _mm256_storeu_ps(yp + (i + r) * N + 8 * g, bp != nullptr ? _mm256_add_ps(out[r], bv)   \
-                                                                : out[r]);                   \
+  const int64_t threads = at::get_num_threads();
+  if (isa == kAvx512Vnni) {
+    const int64_t pairs = (G + 1) / 2;
+    at::parallel_for(0, pairs, std::max<int64_t>(1, pairs / (4 * threads)),
+                     [&](int64_t p0, int64_t p1) { run_avx512(job, G, p0, p1); });
+  } else {
+    const int64_t grain = std::max<int64_t>(2, G / (4 * threads));
+    at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+      if (isa == kAvxVnni)
+        run_vnni(job, g0, g1);
+      else
+        run_avx2(job, g0, g1);
+    });
   }
-      if (rows_per_pass >= 4)
-        for (; i + 4 <= M; i += 4) SPECSERVE_RUN(4)
-      if (rows_per_pass >= 2)
-        for (; i + 2 <= M; i += 2) SPECSERVE_RUN(2)
-      for (; i < M; ++i) SPECSERVE_RUN(1)
-#undef SPECSERVE_RUN
-    }
-  });
   return y;
 }
+
+bool block_isa_supported(int64_t isa) { return isa_supported(isa); }
 
 void register_fused(pybind11::module& mod);  // fused.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   register_fused(mod);
   mod.def("block_linear", &block_linear,
-          "y = x @ W^T for Q4_1 (m given) or Q8_0 (m None) block weights, int8 activations");
+          "y = x @ W^T for Q4_1 (m given) or Q8_0 (m None) block weights, int8 activations; "
+          "kernel = 16 * isa + rows per pass");
+  mod.def("block_isa_supported", &block_isa_supported,
+          "True when this CPU runs block_linear's instruction set `isa` (0, 1 or 2)");
 }
