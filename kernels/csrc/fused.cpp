@@ -222,6 +222,131 @@ inline void weigh_values(const float* p, const float* const* vals, int64_t a0, i
   }
 }
 
+// max of x[a0..z): 8 lanes, then the tail (a max is exact in any order; one dependent chain of
+// scalar max over 1000 keys cost a third of a verify's attention).
+inline float max_of(const float* x, int64_t a0, int64_t z) {
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t j = a0;
+  for (; j + 8 <= z; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  float m = lanes[0];
+  for (int u = 1; u < 8; ++u) m = std::max(m, lanes[u]);
+  for (; j < z; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+// sr[j..min(j + 8, z)) = the first lanes of s8.
+inline void store_scores(__m256 s8, int64_t j, int64_t z, float* sr) {
+  if (j + 8 <= z) {
+    _mm256_storeu_ps(sr + j, s8);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, s8);
+    std::copy(tmp, tmp + (z - j), sr + j);
+  }
+}
+
+// Scores of one query row against keys [a0, z) (sr[j] = score of key j), 8 keys at a time; a
+// tail group repeats its last key. Same bits for a key whatever the other keys of its group.
+void score_row(const float* q, const float* const* keys, int64_t a0, int64_t z, int64_t D,
+               float scale, float* sr) {
+  for (int64_t j = a0; j < z; j += 8) {
+    const float* k8[8];
+    for (int u = 0; u < 8; ++u) k8[u] = keys[std::min(j + u, z - 1)];
+    const __m256 s8 = score8(q, k8, D, scale);
+    store_scores(s8, j, z, sr);
+  }
+}
+
+// AVX-512 forms of score_row and weigh_values, for head dims that are multiples of 16: half the
+// FMAs and loads per key. Their sums run in another order than the AVX2 forms', so one process
+// uses one set for every row (paged_attention picks once, from the CPU and D), which keeps every
+// row's bits independent of what shares its call.
+#define SPECSERVE_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f")))
+
+// As score8: 8 FMA chains over D, 16 lanes each; each chain's two 8-lane halves added, then
+// score8's reduction tree.
+SPECSERVE_TARGET_AVX512 inline __m256 score8_512(const float* q, const float* const* k,
+                                                 int64_t D, float scale) {
+  __m512 a[8];
+  for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + i);
+    for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[u] + i), a[u]);
+  }
+  __m256 h[8];
+  for (int u = 0; u < 8; ++u)
+    h[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[u]), 1)));
+  const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
+                                   _mm256_permute2f128_ps(g0, g1, 0x31));
+  return _mm256_mul_ps(sum, _mm256_set1_ps(scale));
+}
+
+SPECSERVE_TARGET_AVX512 void score_row_512(const float* q, const float* const* keys, int64_t a0,
+                                           int64_t z, int64_t D, float scale, float* sr) {
+  for (int64_t j = a0; j < z; j += 8) {
+    const float* k8[8];
+    for (int u = 0; u < 8; ++u) k8[u] = keys[std::min(j + u, z - 1)];
+    const __m256 s8 = score8_512(q, k8, D, scale);
+    store_scores(s8, j, z, sr);
+  }
+}
+
+// As weigh_values_nv with 16-lane accumulators (NV = D / 16; 0: any D, in memory), and two
+// sets of them: keys at even absolute positions into acc[0, D), odd ones into acc[D, 2D), each
+// in key order (with 4 accumulators one chain of dependent FMAs per key held a row to one key
+// per FMA latency). ``odd0``: whether key a0 sits at an odd absolute position. The split is by
+// position, never by tile or chunk, so a row's bits do not depend on what shares its call.
+template <int NV>
+SPECSERVE_TARGET_AVX512 void weigh_values_512_nv(const float* p, const float* const* vals,
+                                                 int64_t a0, int64_t z, int64_t nv, bool odd0,
+                                                 float* acc, bool resume) {
+  constexpr int kN = NV > 0 ? NV : 16;
+  const int64_t n = NV > 0 ? NV : nv;
+  __m512 a[2][kN];
+  for (int h = 0; h < 2; ++h)
+    for (int64_t i = 0; i < n; ++i)
+      a[h][i] = resume ? _mm512_loadu_ps(acc + 16 * (h * n + i)) : _mm512_setzero_ps();
+// key jj into accumulator set H (a macro: a lambda would not inherit this function's target)
+#define SPECSERVE_WEIGH(H, jj)                                                 \
+  {                                                                            \
+    const __m512 pv = _mm512_set1_ps(p[jj]);                                   \
+    const float* v = vals[jj];                                                 \
+    for (int64_t i = 0; i < n; ++i)                                            \
+      a[H][i] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 16 * i), a[H][i]);     \
+  }
+  int64_t j = a0;
+  if (j < z && odd0) {
+    SPECSERVE_WEIGH(1, j)
+    ++j;
+  }
+  for (; j + 2 <= z; j += 2) {
+    SPECSERVE_WEIGH(0, j)
+    SPECSERVE_WEIGH(1, j + 1)
+  }
+  if (j < z) SPECSERVE_WEIGH(0, j)
+#undef SPECSERVE_WEIGH
+  for (int h = 0; h < 2; ++h)
+    for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(acc + 16 * (h * n + i), a[h][i]);
+}
+
+SPECSERVE_TARGET_AVX512 void weigh_values_512(const float* p, const float* const* vals,
+                                              int64_t a0, int64_t z, int64_t nv, bool odd0,
+                                              float* acc, bool resume) {
+  switch (nv) {
+    case 4: return weigh_values_512_nv<4>(p, vals, a0, z, nv, odd0, acc, resume);
+    case 8: return weigh_values_512_nv<8>(p, vals, a0, z, nv, odd0, acc, resume);
+    default: return weigh_values_512_nv<0>(p, vals, a0, z, nv, odd0, acc, resume);
+  }
+}
+
+// The AVX-512 forms run when the CPU has AVX-512F and D is a multiple of 16.
+bool wide_attention(int64_t D) { return D % 16 == 0 && __builtin_cpu_supports("avx512f"); }
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_of, const at::Tensor& pos_of, double scale,
@@ -275,6 +400,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t n_tiles = (int64_t)tile_start.size();
   tile_start.push_back(T);
   const int64_t sub = group;
+  const bool wide = wide_attention(D);  // one form for every row of the process
   at::parallel_for(0, n_tiles * KVH, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores;
     std::vector<const float*> keys, vals;
@@ -294,7 +420,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
       scores.resize(R * span);
       keys.resize(span);
       vals.resize(span);
-      acc.resize(R * D);
+      acc.resize(2 * R * D);  // AVX-512: even and odd keys apart (weigh_values_512)
       for (int64_t j = jlo; j <= jhi; ++j) {
         const int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
         keys[j - jlo] = kp + (slot * KVH + kvh) * D;
@@ -310,20 +436,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
         for (int64_t x = 0; x < R; ++x) {
           const int64_t r = x / sub;
           const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
-          const float* qx = qrow(x);
           float* sr = scores.data() + x * span;
-          for (int64_t j = a0; j < z; j += 8) {
-            const float* k8[8];
-            for (int u = 0; u < 8; ++u) k8[u] = keys[std::min(j + u, z - 1)];  // tail: repeats
-            const __m256 s8 = score8(qx, k8, D, sc);
-            if (j + 8 <= z) {
-              _mm256_storeu_ps(sr + j, s8);
-            } else {
-              alignas(32) float tmp[8];
-              _mm256_store_ps(tmp, s8);
-              std::copy(tmp, tmp + (z - j), sr + j);
-            }
-          }
+          if (wide)
+            score_row_512(qrow(x), keys.data(), a0, z, D, sc, sr);
+          else
+            score_row(qrow(x), keys.data(), a0, z, D, sc, sr);
         }
       }
       // Per query row: max, p = exp(s - max) in place (8 lanes from its first key, then a fixed
@@ -333,8 +450,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
         const int64_t r = x / sub;
         float* sr = scores.data() + x * span;
         const int64_t a0 = lo[r] - jlo, z = hi[r] - jlo + 1;
-        float m = -INFINITY;
-        for (int64_t j = a0; j < z; ++j) m = std::max(m, sr[j]);
+        const float m = max_of(sr, a0, z);
         const __m256 mv = _mm256_set1_ps(m);
         __m256 sv = _mm256_setzero_ps();
         int64_t j = a0;
@@ -358,16 +474,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
         for (int64_t x = 0; x < R; ++x) {
           const int64_t r = x / sub;
           const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
-          weigh_values(scores.data() + x * span, vals.data(), a0, z, nv, acc.data() + x * D,
-                       c0 > 0);
+          if (wide)
+            weigh_values_512(scores.data() + x * span, vals.data(), a0, z, D / 16,
+                             ((jlo + a0) & 1) != 0, acc.data() + 2 * x * D, c0 > 0);
+          else
+            weigh_values(scores.data() + x * span, vals.data(), a0, z, nv, acc.data() + x * D,
+                         c0 > 0);
         }
       }
       for (int64_t x = 0; x < R; ++x) {
         const __m256 inv = _mm256_set1_ps(sums[x]);
         float* o = op + ((t0 + x / sub) * H + hbase + x % sub) * D;
-        for (int64_t i = 0; i < nv; ++i)
-          _mm256_storeu_ps(o + 8 * i, _mm256_div_ps(_mm256_loadu_ps(acc.data() + x * D + 8 * i),
-                                                    inv));
+        const float* ax = acc.data() + (wide ? 2 * x * D : x * D);
+        for (int64_t i = 0; i < nv; ++i) {
+          __m256 v = _mm256_loadu_ps(ax + 8 * i);
+          if (wide) v = _mm256_add_ps(v, _mm256_loadu_ps(ax + D + 8 * i));  // even + odd keys
+          _mm256_storeu_ps(o + 8 * i, _mm256_div_ps(v, inv));
+        }
       }
     }
   });
