@@ -1,0 +1,109 @@
+"""The C++ paged attention of a model's shape by context length and query rows per sequence.
+
+    python benchmarks/attention_cost.py [--model PATH] [--contexts 500,1000,2000]
+        [--rows 1,8,17] [--repeats 7] [--num-threads N] [--no-write]
+
+One sequence, ``rows`` query rows at the last positions of a ``context``-token cache (a decode
+step is 1 row, a k-draft verify k + 1), every layer's attention once per pass with its own
+random cache (as cold as in a real forward), median of ``--repeats``. A verify's extra rows cost
+what this shows on top of the projections' (``benchmarks/kernel_forms.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from benchmarks.report import (  # noqa: E402
+    RESULTS_MD,
+    BenchError,
+    parse_list,
+    results_section,
+    run_info,
+    write_section,
+)
+from specserve.kernels import quant_ext  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="a GGUF or HF folder (default: built-in)")
+    ap.add_argument("--contexts", default="500,1000,2000")
+    ap.add_argument("--rows", default="1,8,17")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    try:
+        contexts = parse_list(args.contexts, int, "--contexts")
+        rows_list = parse_list(args.rows, int, "--rows")
+        if any(r > c for r in rows_list for c in contexts):
+            raise BenchError("every --rows value must be <= every --contexts value")
+        if not quant_ext.available():
+            raise BenchError("the C++ kernels are not available on this machine")
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    from specserve.models import default_model_path
+    from specserve.target.config import ModelConfig
+    from specserve.target.loader import load_weights
+
+    path = args.model or default_model_path()
+    cfg = ModelConfig.from_hf(load_weights(path)[0])
+    H, KVH, D, L, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, \
+        args.block_size
+    ext = quant_ext.load()
+    headers = ["context", *[f"{r} rows ms" for r in rows_list]]
+    if 1 in rows_list:
+        headers.append(f"{rows_list[-1]} rows / 1 row")
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    with torch.inference_mode():
+        for ctx in contexts:
+            nb = ctx // bs + 2
+            caches = [(torch.randn(nb, bs, KVH, D), torch.randn(nb, bs, KVH, D))
+                      for _ in range(L)]
+            table = torch.arange(nb, dtype=torch.int32)[None]
+            ms = {}
+            for rows in rows_list:
+                q = torch.randn(rows, H, D)
+                seq_of = torch.zeros(rows, dtype=torch.int64)
+                pos_of = torch.arange(ctx - rows, ctx, dtype=torch.int64)
+                samples = []
+                for rep in range(args.repeats + 1):
+                    t0 = time.perf_counter()
+                    for k, v in caches:
+                        ext.paged_attention(q, k, v, table, seq_of, pos_of, D ** -0.5, 0)
+                    if rep:  # the first pass warms up
+                        samples.append(time.perf_counter() - t0)
+                ms[rows] = statistics.median(samples) * 1e3
+            cells = [str(ctx), *[f"{ms[r]:.2f}" for r in rows_list]]
+            if 1 in rows_list:
+                cells.append(f"{ms[rows_list[-1]] / ms[1]:.2f}x")
+            lines.append("| " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+    heading = "## Paged attention cost by context and rows"
+    section = results_section(
+        heading, run_info(sys.argv[1:], program="python benchmarks/attention_cost.py"),
+        f"Model `{Path(path).name}`: {L} layers, {H} query heads, {KVH} KV heads, head_dim {D}, "
+        f"float32 paged cache (block size {bs}); one sequence, its rows at the last positions; "
+        f"all layers once per pass, median of {args.repeats}.",
+        lines)
+    print(section)
+    if not args.no_write:
+        write_section(RESULTS_MD, heading, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
