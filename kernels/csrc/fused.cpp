@@ -151,7 +151,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // one KV head's query heads read each key and value row once. Each query row still computes its
 // own scores, max, sum and weighted values in key order with the same instructions: tiling and
 // grouping change no bits.
-constexpr int64_t kTile = 8;
+constexpr int64_t kTile = 16;
 // Keys per chunk in the item loops: 64 key (or value) rows of head_dim 64 are 16 KB, in L1.
 constexpr int64_t kChunk = 64;
 
@@ -259,10 +259,12 @@ void score_row(const float* q, const float* const* keys, int64_t a0, int64_t z, 
   }
 }
 
-// AVX-512 forms of score_row and weigh_values, for head dims that are multiples of 16: half the
-// FMAs and loads per key. Their sums run in another order than the AVX2 forms', so one process
-// uses one set for every row (paged_attention picks once, from the CPU and D), which keeps every
-// row's bits independent of what shares its call.
+// AVX-512 forms of score_row and weigh_values, for head dims that are multiples of 16: 16 lanes
+// per FMA, and the weighted values for G (1-4) query heads of one position at a time (they
+// attend the same keys, so each value row loaded serves G rows). Their sums run in another order
+// than the AVX2 forms', so one process uses one set for every row (paged_attention picks once,
+// from the CPU and D); each row's own arithmetic does not depend on G or on what else shares
+// the call.
 #define SPECSERVE_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f")))
 
 // As score8: 8 FMA chains over D, 16 lanes each; each chain's two 8-lane halves added, then
@@ -296,51 +298,47 @@ SPECSERVE_TARGET_AVX512 void score_row_512(const float* q, const float* const* k
   }
 }
 
-// As weigh_values_nv with 16-lane accumulators (NV = D / 16; 0: any D, in memory), and two
-// sets of them: keys at even absolute positions into acc[0, D), odd ones into acc[D, 2D), each
-// in key order (with 4 accumulators one chain of dependent FMAs per key held a row to one key
-// per FMA latency). ``odd0``: whether key a0 sits at an odd absolute position. The split is by
-// position, never by tile or chunk, so a row's bits do not depend on what shares its call.
-template <int NV>
-SPECSERVE_TARGET_AVX512 void weigh_values_512_nv(const float* p, const float* const* vals,
-                                                 int64_t a0, int64_t z, int64_t nv, bool odd0,
-                                                 float* acc, bool resume) {
+// acc[g][0, D) (+)= sum over keys j in [a0, z) of p[g][j] * v_j for G rows, in key order, one
+// FMA per lane and key (resume: continue from acc[g], else from zero). NV = D / 16 (0: any D).
+template <int G, int NV>
+SPECSERVE_TARGET_AVX512 void weigh_rows_512_nv(const float* const* p, const float* const* vals,
+                                               int64_t a0, int64_t z, int64_t nv,
+                                               float* const* acc, bool resume) {
   constexpr int kN = NV > 0 ? NV : 16;
   const int64_t n = NV > 0 ? NV : nv;
-  __m512 a[2][kN];
-  for (int h = 0; h < 2; ++h)
+  __m512 a[G][kN];
+  for (int g = 0; g < G; ++g)
     for (int64_t i = 0; i < n; ++i)
-      a[h][i] = resume ? _mm512_loadu_ps(acc + 16 * (h * n + i)) : _mm512_setzero_ps();
-// key jj into accumulator set H (a macro: a lambda would not inherit this function's target)
-#define SPECSERVE_WEIGH(H, jj)                                                 \
-  {                                                                            \
-    const __m512 pv = _mm512_set1_ps(p[jj]);                                   \
-    const float* v = vals[jj];                                                 \
-    for (int64_t i = 0; i < n; ++i)                                            \
-      a[H][i] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 16 * i), a[H][i]);     \
+      a[g][i] = resume ? _mm512_loadu_ps(acc[g] + 16 * i) : _mm512_setzero_ps();
+  for (int64_t j = a0; j < z; ++j) {
+    const float* v = vals[j];
+    __m512 pv[G];
+    for (int g = 0; g < G; ++g) pv[g] = _mm512_set1_ps(p[g][j]);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512 vv = _mm512_loadu_ps(v + 16 * i);
+      for (int g = 0; g < G; ++g) a[g][i] = _mm512_fmadd_ps(pv[g], vv, a[g][i]);
+    }
   }
-  int64_t j = a0;
-  if (j < z && odd0) {
-    SPECSERVE_WEIGH(1, j)
-    ++j;
-  }
-  for (; j + 2 <= z; j += 2) {
-    SPECSERVE_WEIGH(0, j)
-    SPECSERVE_WEIGH(1, j + 1)
-  }
-  if (j < z) SPECSERVE_WEIGH(0, j)
-#undef SPECSERVE_WEIGH
-  for (int h = 0; h < 2; ++h)
-    for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(acc + 16 * (h * n + i), a[h][i]);
+  for (int g = 0; g < G; ++g)
+    for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(acc[g] + 16 * i, a[g][i]);
 }
 
-SPECSERVE_TARGET_AVX512 void weigh_values_512(const float* p, const float* const* vals,
-                                              int64_t a0, int64_t z, int64_t nv, bool odd0,
-                                              float* acc, bool resume) {
-  switch (nv) {
-    case 4: return weigh_values_512_nv<4>(p, vals, a0, z, nv, odd0, acc, resume);
-    case 8: return weigh_values_512_nv<8>(p, vals, a0, z, nv, odd0, acc, resume);
-    default: return weigh_values_512_nv<0>(p, vals, a0, z, nv, odd0, acc, resume);
+template <int G>
+SPECSERVE_TARGET_AVX512 void weigh_rows_512(const float* const* p, const float* const* vals,
+                                            int64_t a0, int64_t z, int64_t nv, float* const* acc,
+                                            bool resume) {
+  if (nv == 4) return weigh_rows_512_nv<G, 4>(p, vals, a0, z, nv, acc, resume);
+  weigh_rows_512_nv<G, 0>(p, vals, a0, z, nv, acc, resume);
+}
+
+SPECSERVE_TARGET_AVX512 void weigh_heads_512(int g, const float* const* p,
+                                             const float* const* vals, int64_t a0, int64_t z,
+                                             int64_t nv, float* const* acc, bool resume) {
+  switch (g) {
+    case 1: return weigh_rows_512<1>(p, vals, a0, z, nv, acc, resume);
+    case 2: return weigh_rows_512<2>(p, vals, a0, z, nv, acc, resume);
+    case 3: return weigh_rows_512<3>(p, vals, a0, z, nv, acc, resume);
+    default: return weigh_rows_512<4>(p, vals, a0, z, nv, acc, resume);
   }
 }
 
@@ -420,7 +418,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
       scores.resize(R * span);
       keys.resize(span);
       vals.resize(span);
-      acc.resize(2 * R * D);  // AVX-512: even and odd keys apart (weigh_values_512)
+      acc.resize(R * D);
       for (int64_t j = jlo; j <= jhi; ++j) {
         const int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
         keys[j - jlo] = kp + (slot * KVH + kvh) * D;
@@ -471,26 +469,35 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
       const int64_t nv = D / 8;
       for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
         const int64_t c1 = std::min(span, c0 + kChunk);
+        if (wide) {
+          for (int64_t r = 0; r < nt; ++r) {
+            const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
+            for (int64_t h0 = 0; h0 < sub; h0 += 4) {
+              const int g = static_cast<int>(std::min<int64_t>(4, sub - h0));
+              const float* p4[4];
+              float* a4[4];
+              for (int u = 0; u < g; ++u) {
+                p4[u] = scores.data() + (r * sub + h0 + u) * span;
+                a4[u] = acc.data() + (r * sub + h0 + u) * D;
+              }
+              weigh_heads_512(g, p4, vals.data(), a0, z, D / 16, a4, c0 > 0);
+            }
+          }
+          continue;
+        }
         for (int64_t x = 0; x < R; ++x) {
           const int64_t r = x / sub;
           const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
-          if (wide)
-            weigh_values_512(scores.data() + x * span, vals.data(), a0, z, D / 16,
-                             ((jlo + a0) & 1) != 0, acc.data() + 2 * x * D, c0 > 0);
-          else
-            weigh_values(scores.data() + x * span, vals.data(), a0, z, nv, acc.data() + x * D,
-                         c0 > 0);
+          weigh_values(scores.data() + x * span, vals.data(), a0, z, nv, acc.data() + x * D,
+                       c0 > 0);
         }
       }
       for (int64_t x = 0; x < R; ++x) {
         const __m256 inv = _mm256_set1_ps(sums[x]);
         float* o = op + ((t0 + x / sub) * H + hbase + x % sub) * D;
-        const float* ax = acc.data() + (wide ? 2 * x * D : x * D);
-        for (int64_t i = 0; i < nv; ++i) {
-          __m256 v = _mm256_loadu_ps(ax + 8 * i);
-          if (wide) v = _mm256_add_ps(v, _mm256_loadu_ps(ax + D + 8 * i));  // even + odd keys
-          _mm256_storeu_ps(o + 8 * i, _mm256_div_ps(v, inv));
-        }
+        const float* ax = acc.data() + x * D;
+        for (int64_t i = 0; i < nv; ++i)
+          _mm256_storeu_ps(o + 8 * i, _mm256_div_ps(_mm256_loadu_ps(ax + 8 * i), inv));
       }
     }
   });
