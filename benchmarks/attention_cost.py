@@ -1,12 +1,17 @@
 """The C++ paged attention of a model's shape by context length and query rows per sequence.
 
     python benchmarks/attention_cost.py [--model PATH] [--contexts 500,1000,2000]
-        [--rows 1,8,17] [--repeats 7] [--num-threads N] [--no-write]
+        [--rows 1,8,17] [--repeats 7] [--num-threads N] [--baseline-key KEY] [--no-write]
 
 One sequence, ``rows`` query rows at the last positions of a ``context``-token cache (a decode
 step is 1 row, a k-draft verify k + 1), every layer's attention once per pass with its own
 random cache (as cold as in a real forward), median of ``--repeats``. A verify's extra rows cost
 what this shows on top of the projections' (``benchmarks/kernel_forms.py``).
+
+``--baseline-key KEY``: also time the extension an earlier checkout built (its
+``specserve.kernels.quant_ext.build_key()``; the build is cached under
+``$SPECSERVE_CACHE_DIR/ext/qgemm-KEY``), passes alternating with this checkout's, so a noisy
+machine's drift hits both alike; the table then gives both times and their ratio.
 """
 
 from __future__ import annotations
@@ -31,6 +36,16 @@ from benchmarks.report import (  # noqa: E402
     write_section,
 )
 from specserve.kernels import quant_ext  # noqa: E402
+from specserve.kernels.cpp_build import load_extension  # noqa: E402
+from specserve.target.loader import cache_root  # noqa: E402
+
+
+def cached_extension(key: str):
+    """The qgemm extension an earlier checkout built and cached (never builds)."""
+    built = cache_root() / "ext" / f"qgemm-{key}" / f"specserve_qgemm_{key}.so"
+    if not built.exists():
+        raise BenchError(f"no cached build {built}: run the earlier checkout once to build it")
+    return load_extension(f"specserve_qgemm_{key}", [], built.parent, [])
 
 
 def main() -> int:
@@ -41,6 +56,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--baseline-key", default=None, help="an earlier build's key (see above)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     try:
@@ -50,6 +66,7 @@ def main() -> int:
             raise BenchError("every --rows value must be <= every --contexts value")
         if not quant_ext.available():
             raise BenchError("the C++ kernels are not available on this machine")
+        base = cached_extension(args.baseline_key) if args.baseline_key else None
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -64,9 +81,13 @@ def main() -> int:
     H, KVH, D, L, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, \
         args.block_size
     ext = quant_ext.load()
-    headers = ["context", *[f"{r} rows ms" for r in rows_list]]
-    if 1 in rows_list:
-        headers.append(f"{rows_list[-1]} rows / 1 row")
+    exts = {"this": ext} if base is None else {"this": ext, "baseline": base}
+    if base is None:
+        headers = ["context", *[f"{r} rows ms" for r in rows_list]]
+        if 1 in rows_list:
+            headers.append(f"{rows_list[-1]} rows / 1 row")
+    else:
+        headers = ["context", *[f"{r} rows ms baseline -> this (speedup)" for r in rows_list]]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     with torch.inference_mode():
         for ctx in contexts:
@@ -74,30 +95,42 @@ def main() -> int:
             caches = [(torch.randn(nb, bs, KVH, D), torch.randn(nb, bs, KVH, D))
                       for _ in range(L)]
             table = torch.arange(nb, dtype=torch.int32)[None]
-            ms = {}
+            ms: dict[str, dict[int, float]] = {name: {} for name in exts}
             for rows in rows_list:
                 q = torch.randn(rows, H, D)
                 seq_of = torch.zeros(rows, dtype=torch.int64)
                 pos_of = torch.arange(ctx - rows, ctx, dtype=torch.int64)
-                samples = []
+                samples: dict[str, list[float]] = {name: [] for name in exts}
                 for rep in range(args.repeats + 1):
-                    t0 = time.perf_counter()
-                    for k, v in caches:
-                        ext.paged_attention(q, k, v, table, seq_of, pos_of, D ** -0.5, 0)
-                    if rep:  # the first pass warms up
-                        samples.append(time.perf_counter() - t0)
-                ms[rows] = statistics.median(samples) * 1e3
-            cells = [str(ctx), *[f"{ms[r]:.2f}" for r in rows_list]]
-            if 1 in rows_list:
-                cells.append(f"{ms[rows_list[-1]] / ms[1]:.2f}x")
+                    order = list(exts.items())
+                    for name, e in order if rep % 2 else order[::-1]:
+                        t0 = time.perf_counter()
+                        for k, v in caches:
+                            e.paged_attention(q, k, v, table, seq_of, pos_of, D ** -0.5, 0)
+                        if rep:  # the first pass warms up
+                            samples[name].append(time.perf_counter() - t0)
+                for name in exts:
+                    ms[name][rows] = statistics.median(samples[name]) * 1e3
+            this = ms["this"]
+            if base is None:
+                cells = [str(ctx), *[f"{this[r]:.2f}" for r in rows_list]]
+                if 1 in rows_list:
+                    cells.append(f"{this[rows_list[-1]] / this[1]:.2f}x")
+            else:
+                old = ms["baseline"]
+                cells = [str(ctx), *[f"{old[r]:.2f} -> {this[r]:.2f} ({old[r] / this[r]:.2f}x)"
+                                     for r in rows_list]]
             lines.append("| " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
-    heading = "## Paged attention cost by context and rows"
+    heading = ("## Paged attention cost by context and rows" if base is None
+               else "## Paged attention: this build against an earlier one")
     section = results_section(
         heading, run_info(sys.argv[1:], program="python benchmarks/attention_cost.py"),
         f"Model `{Path(path).name}`: {L} layers, {H} query heads, {KVH} KV heads, head_dim {D}, "
         f"float32 paged cache (block size {bs}); one sequence, its rows at the last positions; "
-        f"all layers once per pass, median of {args.repeats}.",
+        f"all layers once per pass, median of {args.repeats}"
+        + ("." if base is None else f"; baseline: build {args.baseline_key}, passes alternating "
+           "with this checkout's."),
         lines)
     print(section)
     if not args.no_write:
