@@ -470,3 +470,20 @@ def test_oracle_proposer_cuts_drafts_to_the_accepted_prefix(tiny):
     assert spec.token_ids == plain.token_ids
     assert spec.timings.num_drafted > 0
     assert spec.timings.num_accepted == spec.timings.num_drafted
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("attention_cost.py", ["--baseline-key", "0000000000000000", "--no-write"], "no cached build"),
+    ("attention_cost.py", ["--rows", "1,x", "--no-write"], "--rows takes a comma-separated"),
+    ("kernel_forms.py", ["--rows", "two", "--no-write"], "--rows takes a comma-separated"),
+])
+def test_kernel_benchmarks_reject_bad_flags_with_one_line(script, args, message):
+    """A bad flag is a one-line error and exit code 2, not a traceback."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), *args],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
