@@ -2,12 +2,16 @@
 Writes (or prints) a section of benchmarks/RESULTS.md.
 
     python benchmarks/context_scaling.py [--model PATH] [--quantization auto] [--dtype float32]
-        [--contexts 512,2048,8000] [--steps 32] [--label NAME] [--no-write]
+        [--contexts 512,2048,8000] [--steps 32] [--kv-cache-dtypes auto] [--repeats 1]
+        [--label NAME] [--no-write]
 
 For each context length: one prompt of that many tokens (a repeated paragraph, so the prefix
 cache is off to time the whole prefill), then ``--steps`` greedy decode steps. Reports the
 prefill seconds and the median decode step in ms. Run it for two configurations (or two
 commits, with ``--label``) in one sitting to compare them: each run writes its own section.
+``--kv-cache-dtypes auto,float16`` builds one engine per KV cache dtype and measures them in
+turn at each context (``--repeats`` rounds, order alternating, best of the rounds kept), with
+the decode-step ratio against the first.
 """
 
 from __future__ import annotations
@@ -59,25 +63,55 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--contexts", default="512,2048,8000")  # 8k less room for steps
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated, one engine each")
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--label", default=None, help="name of this configuration in the heading")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
-    engine = LLMEngine(EngineConfig(
+    kv_dtypes = [d for d in args.kv_cache_dtypes.split(",") if d]
+    engines = {d: LLMEngine(EngineConfig(
         model=args.model, quantization=args.quantization, dtype=args.dtype, draft_model="none",
         enable_prefix_caching=False, max_model_len=max(contexts) + args.steps + 8,
-    ))
-    measure(engine, 64, 4)  # warm-up
-    lines = ["| context | prefill s | decode ms/step |", "|---|---|---|"]
+        kv_cache_dtype=d, kv_cache_memory=1 << 30,
+    )) for d in kv_dtypes}
+    for engine in engines.values():
+        measure(engine, 64, 4)  # warm-up
+    if len(engines) == 1:
+        lines = ["| context | prefill s | decode ms/step |", "|---|---|---|"]
+    else:
+        headers = ["context", *[f"prefill s, KV {d}" for d in kv_dtypes],
+                   *[f"decode ms/step, KV {d}" for d in kv_dtypes],
+                   *[f"decode {kv_dtypes[0]} / {d}" for d in kv_dtypes[1:]]]
+        lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for c in contexts:
-        prefill, step = measure(engine, c, args.steps)
-        lines.append(f"| {c} | {prefill:.2f} | {step * 1e3:.1f} |")
+        best: dict[str, tuple[float, float]] = {}
+        for rep in range(args.repeats):
+            order = kv_dtypes if rep % 2 == 0 else kv_dtypes[::-1]
+            for d in order:
+                prefill, step = measure(engines[d], c, args.steps)
+                old = best.get(d)
+                best[d] = (prefill, step) if old is None else (min(old[0], prefill),
+                                                               min(old[1], step))
+        if len(engines) == 1:
+            prefill, step = best[kv_dtypes[0]]
+            lines.append(f"| {c} | {prefill:.2f} | {step * 1e3:.1f} |")
+        else:
+            first = best[kv_dtypes[0]][1]
+            cells = [str(c), *[f"{best[d][0]:.2f}" for d in kv_dtypes],
+                     *[f"{best[d][1] * 1e3:.1f}" for d in kv_dtypes],
+                     *[f"{first / best[d][1]:.2f}x" for d in kv_dtypes[1:]]]
+            lines.append("| " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
-    label = args.label or f"quantization {engine.quantization}"
+    engine = engines[kv_dtypes[0]]
+    label = args.label or f"quantization {engine.quantization}" + (
+        f", KV {' vs '.join(kv_dtypes)}" if len(engines) > 1 else "")
     heading = f"## Context scaling, {label}"
     section = results_section(
         heading, run_info(sys.argv[1:], program="python benchmarks/context_scaling.py"),
-        f"Batch 1, greedy, prefix cache off, {args.steps} decode steps per context (median).",
+        f"Batch 1, greedy, prefix cache off, {args.steps} decode steps per context (median)"
+        + ("." if len(engines) == 1 else
+           f"; one engine per KV cache dtype, {args.repeats} alternating rounds, the best kept."),
         lines,
     )
     print(section)

@@ -67,7 +67,8 @@ def _build_plan(meta: AttentionMetadata, max_kernel_query: int | None) -> _Plan:
 
 
 class CpuPagedAttention:
-    """Stateless; one instance serves every layer. float32 CPU caches only."""
+    """Stateless; one instance serves every layer. float32 or float16 CPU caches (float16 rows
+    are widened exactly as they are read; queries and sums stay float32)."""
 
     name = "cpu_paged"
 
@@ -93,7 +94,7 @@ class CpuPagedAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        if q.dtype != torch.float32 or k_cache.dtype not in (torch.float32, torch.float16):
             return self._long.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
         plan: _Plan = meta.plan(self.name, lambda: _build_plan(meta, self.max_kernel_query))
         if k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride(-2) == v.shape[-1]:

@@ -80,10 +80,11 @@ class LLMEngine:
             check_draft_compatible(
                 self.model_config, self.draft_config, self.tokenizer, load_tokenizer(draft_path)
             )
-        self._resolve_limits()
         backend = config.attention_backend
         if backend == "auto" and self.quantization != "none" and quant_ext.available():
             backend = "cpu_paged"  # batch-invariant, like the quantized projections
+        self.kv_dtype = self._resolve_kv_dtype(backend)
+        self._resolve_limits()
         self.attn_backend = get_attention_backend(
             backend, self.device, block_size=config.block_size
         )
@@ -95,6 +96,7 @@ class LLMEngine:
             dtype=self.dtype,
             device=self.device,
             attn_backend=self.attn_backend,
+            kv_dtype=self.kv_dtype,
         )
         self.block_manager = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
@@ -174,6 +176,22 @@ class LLMEngine:
                                                                           draft_rows)
         return table
 
+    def _resolve_kv_dtype(self, backend: str) -> torch.dtype:
+        """The target's KV cache dtype: the model's, or float16 where the C++ attention reads
+        it (keys and values widened exactly as they are read; sums stay float32)."""
+        choice = self.config.kv_cache_dtype
+        if choice == "float16":
+            if backend != "cpu_paged" or self.device.type != "cpu":
+                raise ConfigError(
+                    f"kv-cache-dtype float16 needs the C++ CPU attention (a quantized model on "
+                    f"CPU, --attention-backend auto or cpu_paged); this engine uses "
+                    f"{backend!r} on {self.device.type}: use --kv-cache-dtype auto"
+                )
+            return torch.float16
+        if choice == "float32":
+            return torch.float32
+        return self.dtype
+
     def _resolve_limits(self) -> None:
         """Writes the derived context length and KV pool size back into the config."""
         cfg, mc = self.config, self.model_config
@@ -185,7 +203,7 @@ class LLMEngine:
                 f"max-model-len {cfg.max_model_len} exceeds the model's "
                 f"max_position_embeddings {model_max}; lower --max-model-len"
             )
-        per_block = ModelRunner.bytes_per_block(mc, cfg.block_size, self.dtype)
+        per_block = ModelRunner.bytes_per_block(mc, cfg.block_size, self.kv_dtype)
         if self.draft_config is not None:
             per_block += ModelRunner.bytes_per_block(self.draft_config, cfg.block_size, self.dtype)
         if self.eagle_head is not None:

@@ -34,7 +34,9 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device | str,
         attn_backend: AttentionBackend | str = "auto",
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """``kv_dtype``: the cache's element type (None: ``dtype``)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
         self.model_config = model_config
@@ -51,7 +53,7 @@ class ModelRunner:
         mc = model_config
         self.kv_cache = torch.zeros(
             (mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim),
-            dtype=dtype,
+            dtype=kv_dtype or dtype,
             device=self.device,
         )  # [L, 2, N, block_size, KVH, D]
         self.kv_caches: list[KVCache] = [

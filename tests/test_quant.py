@@ -149,7 +149,8 @@ def test_fused_rotary_equals_reference_rotary():
     assert torch.equal(out[:, (H + KVH) * D:], v)
 
 
-def _attention_case(seed: int, query_lens: list[int], ctx_lens: list[int], window: int | None):
+def _attention_case(seed: int, query_lens: list[int], ctx_lens: list[int], window: int | None,
+                    cache_dtype: torch.dtype = torch.float32):
     from specserve.kernels.metadata import AttentionMetadata
 
     g = torch.Generator().manual_seed(seed)
@@ -162,8 +163,8 @@ def _attention_case(seed: int, query_lens: list[int], ctx_lens: list[int], windo
         i += n
     meta = AttentionMetadata.build(query_lens, ctx_lens, tables, bs)
     n_blocks = len(perm)
-    k_cache = torch.randn(n_blocks, bs, KVH, D, generator=g)
-    v_cache = torch.randn(n_blocks, bs, KVH, D, generator=g)
+    k_cache = torch.randn(n_blocks, bs, KVH, D, generator=g).to(cache_dtype)
+    v_cache = torch.randn(n_blocks, bs, KVH, D, generator=g).to(cache_dtype)
     T = sum(query_lens)
     q = torch.randn(T, H, D, generator=g)
     k = torch.randn(T, KVH, D, generator=g)
@@ -171,14 +172,17 @@ def _attention_case(seed: int, query_lens: list[int], ctx_lens: list[int], windo
     return q, k, v, k_cache, v_cache, meta, window
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_cpu_paged_attention_matches_float64_reference(window):
-    """Against the torch reference backend run in float64 on the same inputs; mixed decode,
+def test_cpu_paged_attention_matches_float64_reference(window, cache_dtype):
+    """Against the torch reference backend run in float64 on the same inputs (with a float16
+    cache: the float16-rounded keys and values, which is what the cache holds); mixed decode,
     verify and a long prefill (which takes the SDPA path) in one step."""
     from specserve.kernels.cpu_paged import CpuPagedAttention
     from specserve.kernels.torch_ref import TorchPagedAttention
 
-    q, k, v, kc, vc, meta, window = _attention_case(5, [1, 4, 20], [9, 13, 20], window)
+    q, k, v, kc, vc, meta, window = _attention_case(5, [1, 4, 20], [9, 13, 20], window,
+                                                    cache_dtype)
     out = CpuPagedAttention(max_kernel_query=16).forward(q, k, v, kc, vc, meta, 0.25, window)
     meta.plan_cache.clear()
     torch.testing.assert_close(
@@ -187,10 +191,13 @@ def test_cpu_paged_attention_matches_float64_reference(window):
     kc64, vc64 = kc.double(), vc.double()
     meta.plan_cache.clear()
     ref = TorchPagedAttention().forward(
-        q.double(), k.double(), v.double(), kc64, vc64, meta, 0.25, window
+        q.double(), k.to(cache_dtype).double(), v.to(cache_dtype).double(), kc64, vc64, meta,
+        0.25, window,
     )
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(kc.view(-1, *k.shape[1:])[meta.slot_mapping], k)  # written at the slots
+    # written at the slots, rounded to nearest even as torch rounds float32 -> float16
+    assert torch.equal(kc.view(-1, *k.shape[1:])[meta.slot_mapping], k.to(cache_dtype))
+    assert torch.equal(vc.view(-1, *v.shape[1:])[meta.slot_mapping], v.to(cache_dtype))
 
 
 # ---- batch invariance -------------------------------------------------------------------------
@@ -256,15 +263,16 @@ def test_fused_ops_are_batch_invariant():
                            ext.add_rms_norm_(x, b, w, 1e-6)[:rows])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [None, 3])
-def test_cpu_paged_attention_verify_rows_equal_decode_rows(window):
+def test_cpu_paged_attention_verify_rows_equal_decode_rows(window, cache_dtype):
     """A verify of k+1 tokens gives each row exactly what a one-token decode at that position
     gives (same cache), in a batch of other sequences or alone."""
     from specserve.kernels.cpu_paged import CpuPagedAttention
     from specserve.kernels.metadata import AttentionMetadata
 
     backend = CpuPagedAttention()
-    q, k, v, kc, vc, meta, _ = _attention_case(9, [5, 1, 3], [12, 7, 10], window)
+    q, k, v, kc, vc, meta, _ = _attention_case(9, [5, 1, 3], [12, 7, 10], window, cache_dtype)
     verify = backend.forward(q, k, v, kc, vc, meta, 0.3, window)  # writes all new K/V
     tables = [meta.block_tables[b].tolist() for b in range(3)]
     start = 0
@@ -344,13 +352,15 @@ def test_row_plan_lookup():
 # ---- through the engine -----------------------------------------------------------------------
 
 
-def _engine(model: str | None, quantization: str, method: str, max_model_len: int = 1024):
+def _engine(model: str | None, quantization: str, method: str, max_model_len: int = 1024,
+            kv_cache_dtype: str = "auto"):
     from specserve.config import EngineConfig
     from specserve.engine import LLMEngine
 
     return LLMEngine(EngineConfig(
         model=model, quantization=quantization, speculative_method=method, draft_model="none",
         kv_cache_memory=128 << 20, max_model_len=max_model_len, adaptive_speculation=False,
+        kv_cache_dtype=kv_cache_dtype,
     ))
 
 
@@ -359,14 +369,18 @@ REWRITE = ("Rewrite in the past tense: The new library opens on Monday. The new 
            "to six.")
 
 
-@pytest.mark.parametrize("quantization", ["auto", "int8", "int4"])
-def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization):
-    """Under every quantization of the built-in model (auto: its own Q4_1/Q8_0 blocks), n-gram
-    speculation with a fixed k=4 gives token-for-token the plain output: the verify pass is
-    batch-invariant, so it scores each draft exactly as a one-row step would."""
-    plain = _engine(None, quantization, "off")
-    spec = _engine(None, quantization, "ngram")
+@pytest.mark.parametrize("quantization, kv_cache_dtype", [
+    ("auto", "auto"), ("int8", "auto"), ("int4", "auto"), ("auto", "float16")])
+def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization, kv_cache_dtype):
+    """Under every quantization of the built-in model (auto: its own Q4_1/Q8_0 blocks), and with
+    a float16 KV cache, n-gram speculation with a fixed k=4 gives token-for-token the plain
+    output: the verify pass is batch-invariant, so it scores each draft exactly as a one-row
+    step would."""
+    plain = _engine(None, quantization, "off", kv_cache_dtype=kv_cache_dtype)
+    spec = _engine(None, quantization, "ngram", kv_cache_dtype=kv_cache_dtype)
     assert plain.quantization == ("gguf" if quantization == "auto" else quantization)
+    want_kv = torch.float16 if kv_cache_dtype == "float16" else torch.float32
+    assert plain.runner.kv_cache.dtype == spec.runner.kv_cache.dtype == want_kv
     questions = [REWRITE, "List three uses of a paperclip.", "Write a haiku about the sea."]
     prompts = [plain.encode(plain.render_chat([{"role": "user", "content": q}]))
                for q in questions]
@@ -380,6 +394,16 @@ def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization):
     assert b[0].timings.num_accepted > 0  # the rewrite copies from its prompt: drafts were used
     one_by_one = [plain.generate([p], params)[0].token_ids for p in prompts]
     assert one_by_one == [x.token_ids for x in a]  # batch of 3 == alone
+
+
+def test_float16_kv_cache_needs_the_cpp_attention():
+    from specserve.config import EngineConfig
+    from specserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="kv-cache-dtype must be auto, float32 or float16"):
+        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="needs the C[+][+] CPU attention"):
+        _engine(None, "none", "off", kv_cache_dtype="float16")
 
 
 def test_quantized_hf_folder_speculation_equals_plain(text_model):

@@ -165,10 +165,27 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
               "k and v must be float32 [T, KVH, D] with contiguous rows");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
               "slot_mapping must be int64 [T]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "k and v caches must both be float32 or both float16");
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   const int64_t* sm = slot_mapping.data_ptr<int64_t>();
   const int64_t row = KVH * D;
+  if (k_cache.scalar_type() == at::kHalf) {  // rounded to nearest even, 8 at a time (D % 8 == 0)
+    auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
+    auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
+    for (int64_t t = 0; t < T; ++t) {
+      if (sm[t] < 0) continue;
+      for (int64_t i = 0; i < row; i += 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(kc + sm[t] * row + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(kp + t * k.stride(0) + i), 0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(vc + sm[t] * row + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(vp + t * v.stride(0) + i), 0));
+      }
+    }
+    return;
+  }
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     if (sm[t] < 0) continue;
     std::copy(kp + t * k.stride(0), kp + t * k.stride(0) + row, kc + sm[t] * row);
@@ -176,15 +193,23 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   }
 }
 
+// 8 cache elements as float32: float32 caches as they are, float16 ones (stored as uint16_t)
+// widened exactly.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // One query row against 8 keys: 8 independent FMA chains over D, then one reduction tree that
 // gives lane u the sum of chain u's lanes as ((0+1)+(2+3))+((4+5)+(6+7)), whatever the other
 // lanes hold. So a key's score is the same bits in any group of 8 (and as a repeated tail).
-inline __m256 score8(const float* q, const float* const* k, int64_t D, float scale) {
+template <typename T>
+inline __m256 score8(const float* q, const T* const* k, int64_t D, float scale) {
   __m256 a[8];
   for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
   for (int64_t i = 0; i < D; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[u] + i), a[u]);
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8(k[u] + i), a[u]);
   }
   const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -196,8 +221,8 @@ inline __m256 score8(const float* q, const float* const* k, int64_t D, float sca
 // acc[D] (+)= sum over keys j in [a0, z) of p[j] * v_j, in key order, one FMA per lane and key
 // (resume: continue from acc, else start from zero); NV = D / 8 accumulators kept in registers
 // (NV = 0: any D, the same arithmetic in memory).
-template <int NV>
-inline void weigh_values_nv(const float* p, const float* const* vals, int64_t a0, int64_t z,
+template <int NV, typename T>
+inline void weigh_values_nv(const float* p, const T* const* vals, int64_t a0, int64_t z,
                             int64_t nv, float* acc, bool resume) {
   constexpr int kN = NV > 0 ? NV : 32;
   const int64_t n = NV > 0 ? NV : nv;
@@ -206,13 +231,14 @@ inline void weigh_values_nv(const float* p, const float* const* vals, int64_t a0
     a[i] = resume ? _mm256_loadu_ps(acc + 8 * i) : _mm256_setzero_ps();
   for (int64_t j = a0; j < z; ++j) {
     const __m256 pv = _mm256_set1_ps(p[j]);
-    const float* v = vals[j];
-    for (int64_t i = 0; i < n; ++i) a[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * i), a[i]);
+    const T* v = vals[j];
+    for (int64_t i = 0; i < n; ++i) a[i] = _mm256_fmadd_ps(pv, load8(v + 8 * i), a[i]);
   }
   for (int64_t i = 0; i < n; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
 }
 
-inline void weigh_values(const float* p, const float* const* vals, int64_t a0, int64_t z,
+template <typename T>
+inline void weigh_values(const float* p, const T* const* vals, int64_t a0, int64_t z,
                          int64_t nv, float* acc, bool resume) {
   switch (nv) {
     case 4: return weigh_values_nv<4>(p, vals, a0, z, nv, acc, resume);
@@ -249,10 +275,11 @@ inline void store_scores(__m256 s8, int64_t j, int64_t z, float* sr) {
 
 // Scores of one query row against keys [a0, z) (sr[j] = score of key j), 8 keys at a time; a
 // tail group repeats its last key. Same bits for a key whatever the other keys of its group.
-void score_row(const float* q, const float* const* keys, int64_t a0, int64_t z, int64_t D,
+template <typename T>
+void score_row(const float* q, const T* const* keys, int64_t a0, int64_t z, int64_t D,
                float scale, float* sr) {
   for (int64_t j = a0; j < z; j += 8) {
-    const float* k8[8];
+    const T* k8[8];
     for (int u = 0; u < 8; ++u) k8[u] = keys[std::min(j + u, z - 1)];
     const __m256 s8 = score8(q, k8, D, scale);
     store_scores(s8, j, z, sr);
@@ -267,15 +294,21 @@ void score_row(const float* q, const float* const* keys, int64_t a0, int64_t z, 
 // the call.
 #define SPECSERVE_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f")))
 
+SPECSERVE_TARGET_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+SPECSERVE_TARGET_AVX512 inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // As score8: 8 FMA chains over D, 16 lanes each; each chain's two 8-lane halves added, then
 // score8's reduction tree.
-SPECSERVE_TARGET_AVX512 inline __m256 score8_512(const float* q, const float* const* k,
-                                                 int64_t D, float scale) {
+template <typename T>
+SPECSERVE_TARGET_AVX512 inline __m256 score8_512(const float* q, const T* const* k, int64_t D,
+                                                 float scale) {
   __m512 a[8];
   for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
   for (int64_t i = 0; i < D; i += 16) {
     const __m512 qv = _mm512_loadu_ps(q + i);
-    for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[u] + i), a[u]);
+    for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, load16(k[u] + i), a[u]);
   }
   __m256 h[8];
   for (int u = 0; u < 8; ++u)
@@ -288,10 +321,11 @@ SPECSERVE_TARGET_AVX512 inline __m256 score8_512(const float* q, const float* co
   return _mm256_mul_ps(sum, _mm256_set1_ps(scale));
 }
 
-SPECSERVE_TARGET_AVX512 void score_row_512(const float* q, const float* const* keys, int64_t a0,
+template <typename T>
+SPECSERVE_TARGET_AVX512 void score_row_512(const float* q, const T* const* keys, int64_t a0,
                                            int64_t z, int64_t D, float scale, float* sr) {
   for (int64_t j = a0; j < z; j += 8) {
-    const float* k8[8];
+    const T* k8[8];
     for (int u = 0; u < 8; ++u) k8[u] = keys[std::min(j + u, z - 1)];
     const __m256 s8 = score8_512(q, k8, D, scale);
     store_scores(s8, j, z, sr);
@@ -300,8 +334,8 @@ SPECSERVE_TARGET_AVX512 void score_row_512(const float* q, const float* const* k
 
 // acc[g][0, D) (+)= sum over keys j in [a0, z) of p[g][j] * v_j for G rows, in key order, one
 // FMA per lane and key (resume: continue from acc[g], else from zero). NV = D / 16 (0: any D).
-template <int G, int NV>
-SPECSERVE_TARGET_AVX512 void weigh_rows_512_nv(const float* const* p, const float* const* vals,
+template <int G, int NV, typename T>
+SPECSERVE_TARGET_AVX512 void weigh_rows_512_nv(const float* const* p, const T* const* vals,
                                                int64_t a0, int64_t z, int64_t nv,
                                                float* const* acc, bool resume) {
   constexpr int kN = NV > 0 ? NV : 16;
@@ -311,11 +345,11 @@ SPECSERVE_TARGET_AVX512 void weigh_rows_512_nv(const float* const* p, const floa
     for (int64_t i = 0; i < n; ++i)
       a[g][i] = resume ? _mm512_loadu_ps(acc[g] + 16 * i) : _mm512_setzero_ps();
   for (int64_t j = a0; j < z; ++j) {
-    const float* v = vals[j];
+    const T* v = vals[j];
     __m512 pv[G];
     for (int g = 0; g < G; ++g) pv[g] = _mm512_set1_ps(p[g][j]);
     for (int64_t i = 0; i < n; ++i) {
-      const __m512 vv = _mm512_loadu_ps(v + 16 * i);
+      const __m512 vv = load16(v + 16 * i);
       for (int g = 0; g < G; ++g) a[g][i] = _mm512_fmadd_ps(pv[g], vv, a[g][i]);
     }
   }
@@ -323,47 +357,41 @@ SPECSERVE_TARGET_AVX512 void weigh_rows_512_nv(const float* const* p, const floa
     for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(acc[g] + 16 * i, a[g][i]);
 }
 
-template <int G>
-SPECSERVE_TARGET_AVX512 void weigh_rows_512(const float* const* p, const float* const* vals,
+template <int G, typename T>
+SPECSERVE_TARGET_AVX512 void weigh_rows_512(const float* const* p, const T* const* vals,
                                             int64_t a0, int64_t z, int64_t nv, float* const* acc,
                                             bool resume) {
-  if (nv == 4) return weigh_rows_512_nv<G, 4>(p, vals, a0, z, nv, acc, resume);
-  weigh_rows_512_nv<G, 0>(p, vals, a0, z, nv, acc, resume);
+  if (nv == 4) return weigh_rows_512_nv<G, 4, T>(p, vals, a0, z, nv, acc, resume);
+  weigh_rows_512_nv<G, 0, T>(p, vals, a0, z, nv, acc, resume);
 }
 
+template <typename T>
 SPECSERVE_TARGET_AVX512 void weigh_heads_512(int g, const float* const* p,
-                                             const float* const* vals, int64_t a0, int64_t z,
+                                             const T* const* vals, int64_t a0, int64_t z,
                                              int64_t nv, float* const* acc, bool resume) {
   switch (g) {
-    case 1: return weigh_rows_512<1>(p, vals, a0, z, nv, acc, resume);
-    case 2: return weigh_rows_512<2>(p, vals, a0, z, nv, acc, resume);
-    case 3: return weigh_rows_512<3>(p, vals, a0, z, nv, acc, resume);
-    default: return weigh_rows_512<4>(p, vals, a0, z, nv, acc, resume);
+    case 1: return weigh_rows_512<1, T>(p, vals, a0, z, nv, acc, resume);
+    case 2: return weigh_rows_512<2, T>(p, vals, a0, z, nv, acc, resume);
+    case 3: return weigh_rows_512<3, T>(p, vals, a0, z, nv, acc, resume);
+    default: return weigh_rows_512<4, T>(p, vals, a0, z, nv, acc, resume);
   }
 }
 
 // The AVX-512 forms run when the CPU has AVX-512F and D is a multiple of 16.
 bool wide_attention(int64_t D) { return D % 16 == 0 && __builtin_cpu_supports("avx512f"); }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_of, const at::Tensor& pos_of, double scale,
-                           int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "q must be a contiguous float32 [T, H, D] tensor");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(), "caches must be contiguous float32");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
-              "block_tables must be contiguous int32");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+// paged_attention with cache elements T: float (float32 caches) or uint16_t (float16 ones).
+template <typename T>
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_of,
+                  const at::Tensor& pos_of, double scale, int64_t window) {
+  const int64_t num_rows = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), maxb = block_tables.size(1);
   const int64_t group = H / KVH;
-  TORCH_CHECK(D % 8 == 0 && D <= 256 && group <= 32, "head_dim must be a multiple of 8, at "
-              "most 256, and at most 32 query heads per KV head (got ", D, ", ", group,
-              "); use --attention-backend torch");
   at::Tensor out = at::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(),
-              *vp = v_cache.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int64_t *sq = seq_of.data_ptr<int64_t>(), *ps = pos_of.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
@@ -376,9 +404,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   // rows: 6 items). Every query row runs the same instructions whatever its tile, so the cut
   // changes no bits.
   std::vector<int64_t> run_start, run_tiles;
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < num_rows; ++t)
     if (t == 0 || sq[t] != sq[t - 1] || ps[t] != ps[t - 1] + 1) run_start.push_back(t);
-  run_start.push_back(T);
+  run_start.push_back(num_rows);
   const int64_t n_runs = (int64_t)run_start.size() - 1;
   int64_t total = 0;
   for (int64_t r = 0; r < n_runs; ++r) {
@@ -396,12 +424,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
       tile_start.push_back(run_start[r] + i * len / run_tiles[r]);
   }
   const int64_t n_tiles = (int64_t)tile_start.size();
-  tile_start.push_back(T);
+  tile_start.push_back(num_rows);
   const int64_t sub = group;
   const bool wide = wide_attention(D);  // one form for every row of the process
   at::parallel_for(0, n_tiles * KVH, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores;
-    std::vector<const float*> keys, vals;
+    std::vector<const T*> keys, vals;
     std::vector<float> acc;
     for (int64_t item = b; item < e; ++item) {
       const int64_t tile = item / KVH, kvh = item % KVH;
@@ -502,6 +530,27 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     }
   });
   return out;
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_of, const at::Tensor& pos_of, double scale,
+                           int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "q must be a contiguous float32 [T, H, D] tensor");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous, both float32 or both float16");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "block_tables must be contiguous int32");
+  const int64_t D = q.size(2), group = q.size(1) / k_cache.size(2);
+  TORCH_CHECK(D % 8 == 0 && D <= 256 && group <= 32, "head_dim must be a multiple of 8, at "
+              "most 256, and at most 32 query heads per KV head (got ", D, ", ", group,
+              "); use --attention-backend torch");
+  if (k_cache.scalar_type() == at::kHalf)
+    return attend<uint16_t>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window);
+  return attend<float>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window);
 }
 
 
