@@ -257,7 +257,7 @@ class BlockQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         return self.run(x, self.kernel(x.shape[0]))
 
-    def run(self, x: torch.Tensor, kernel: int = 4) -> torch.Tensor:
+    def run(self, x: torch.Tensor, kernel: int = _DEFAULT_KERNEL) -> torch.Tensor:
         """y for x with block_linear's ``kernel`` (16 * isa + rows per pass; the dense fallback
         ignores it)."""
         ext = self._ext
