@@ -1,7 +1,8 @@
 """The C++ paged attention of a model's shape by context length and query rows per sequence.
 
     python benchmarks/attention_cost.py [--model PATH] [--contexts 500,1000,2000]
-        [--rows 1,8,17] [--repeats 7] [--num-threads N] [--baseline-key KEY] [--no-write]
+        [--rows 1,8,17] [--repeats 7] [--num-threads N] [--form N] [--baseline-key KEY]
+        [--no-write]
 
 One sequence, ``rows`` query rows at the last positions of a ``context``-token cache (a decode
 step is 1 row, a k-draft verify k + 1), every layer's attention once per pass with its own
@@ -57,6 +58,8 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--baseline-key", default=None, help="an earlier build's key (see above)")
+    ap.add_argument("--form", type=int, default=None,
+                    help="attention form, 0 AVX2 / 1 AVX-512 (default: the engine's measured one)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     try:
@@ -81,7 +84,20 @@ def main() -> int:
     H, KVH, D, L, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, \
         args.block_size
     ext = quant_ext.load()
-    exts = {"this": ext} if base is None else {"this": ext, "baseline": base}
+    from specserve.kernels.attention_form import choose_form, supported_forms
+
+    form = choose_form(H, KVH, D, cache_root() / "tune") if args.form is None else args.form
+    if form not in supported_forms(D):
+        print(f"error: --form {form} does not run here (supported: {supported_forms(D)})",
+              file=sys.stderr)
+        return 2
+
+    def this(*a: object) -> None:
+        ext.paged_attention(*a, form)
+
+    runs = {"this": this}
+    if base is not None:  # an earlier build: one form, chosen by the CPU, no form argument
+        runs["baseline"] = base.paged_attention
     if base is None:
         headers = ["context", *[f"{r} rows ms" for r in rows_list]]
         if 1 in rows_list:
@@ -95,21 +111,21 @@ def main() -> int:
             caches = [(torch.randn(nb, bs, KVH, D), torch.randn(nb, bs, KVH, D))
                       for _ in range(L)]
             table = torch.arange(nb, dtype=torch.int32)[None]
-            ms: dict[str, dict[int, float]] = {name: {} for name in exts}
+            ms: dict[str, dict[int, float]] = {name: {} for name in runs}
             for rows in rows_list:
                 q = torch.randn(rows, H, D)
                 seq_of = torch.zeros(rows, dtype=torch.int64)
                 pos_of = torch.arange(ctx - rows, ctx, dtype=torch.int64)
-                samples: dict[str, list[float]] = {name: [] for name in exts}
+                samples: dict[str, list[float]] = {name: [] for name in runs}
                 for rep in range(args.repeats + 1):
-                    order = list(exts.items())
-                    for name, e in order if rep % 2 else order[::-1]:
+                    order = list(runs.items())
+                    for name, attend in order if rep % 2 else order[::-1]:
                         t0 = time.perf_counter()
                         for k, v in caches:
-                            e.paged_attention(q, k, v, table, seq_of, pos_of, D ** -0.5, 0)
+                            attend(q, k, v, table, seq_of, pos_of, D ** -0.5, 0)
                         if rep:  # the first pass warms up
                             samples[name].append(time.perf_counter() - t0)
-                for name in exts:
+                for name in runs:
                     ms[name][rows] = statistics.median(samples[name]) * 1e3
             this = ms["this"]
             if base is None:
@@ -127,7 +143,8 @@ def main() -> int:
     section = results_section(
         heading, run_info(sys.argv[1:], program="python benchmarks/attention_cost.py"),
         f"Model `{Path(path).name}`: {L} layers, {H} query heads, {KVH} KV heads, head_dim {D}, "
-        f"float32 paged cache (block size {bs}); one sequence, its rows at the last positions; "
+        f"float32 paged cache (block size {bs}), attention form {form}; one sequence, its rows "
+        f"at the last positions; "
         f"all layers once per pass, median of {args.repeats}"
         + ("." if base is None else f"; baseline: build {args.baseline_key}, passes alternating "
            "with this checkout's."),

@@ -72,9 +72,13 @@ class CpuPagedAttention:
 
     name = "cpu_paged"
 
-    def __init__(self, max_kernel_query: int | None = None) -> None:
+    def __init__(self, max_kernel_query: int | None = None, form: int = 0) -> None:
         self._ext = quant_ext.load()
         self.max_kernel_query = max_kernel_query
+        # The C++ attention's form (0 AVX2, 1 AVX-512): one for every call of the process, so
+        # verify rows equal decode rows; the engine sets the measured one (attention_form.py)
+        # before its first step.
+        self.form = form
         self._long = TorchPagedAttention()
 
     def kernel_plan(self, meta: AttentionMetadata) -> _Plan | None:
@@ -105,13 +109,13 @@ class CpuPagedAttention:
         if plan.rows is None:
             return self._ext.paged_attention(
                 q.contiguous(), k_cache, v_cache, meta.block_tables, plan.seq_of, plan.pos_of,
-                scale, window,
+                scale, window, self.form,
             )
         out = torch.empty_like(q)
         if plan.rows.numel():
             out[plan.rows] = self._ext.paged_attention(
                 q[plan.rows].contiguous(), k_cache, v_cache, meta.block_tables, plan.seq_of,
-                plan.pos_of, scale, window,
+                plan.pos_of, scale, window, self.form,
             )
         assert plan.long_meta is not None and plan.long_rows is not None
         # K/V are written already; the torch path rewrites the same slots with the same values.

@@ -19,6 +19,7 @@ from specserve.config import EngineConfig
 from specserve.draft.eagle_head import EagleHead, EagleRunner, is_eagle_dir, load_head
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.kernels import quant_ext
+from specserve.kernels.attention_form import choose_form
 from specserve.kernels.metadata import AttentionMetadata, token_positions
 from specserve.kernels.registry import get_attention_backend
 from specserve.kernels.tuner import KernelTuner, TuneTable, default_row_counts
@@ -88,6 +89,12 @@ class LLMEngine:
         self.attn_backend = get_attention_backend(
             backend, self.device, block_size=config.block_size
         )
+        if self.attn_backend.name == "cpu_paged":  # the C++ attention: its faster form, measured
+            mc = self.model_config
+            self.attn_backend.form = choose_form(
+                mc.num_heads, mc.num_kv_heads, mc.head_dim, cache_root() / "tune",
+                measure=config.kernel_tuning,
+            )
         self.runner = ModelRunner(
             self.model_config,
             model,

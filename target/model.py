@@ -166,6 +166,7 @@ class DecoderLayer(nn.Module):
                     h, *whole[0], rpp, rope[0], rope[1], attn.num_heads, attn.num_kv_heads,
                     attn.head_dim, kv_cache[0], kv_cache[1], meta.block_tables, whole[2].seq_of,
                     whole[2].pos_of, meta.slot_mapping, attn.scale, attn.sliding_window or 0,
+                    backend.form,
                 )
                 return h
             # The same sums, fused: h += attn(norm1(h)) in place, norm2 from the new h.
@@ -221,6 +222,7 @@ class CausalLM(nn.Module):
     fused_ops: FusedOps | None = None  # set by enable_fused_ops
     use_decoder_stack: bool = True  # False: one Python call per layer (tests compare the two)
     _stack: Any = None  # kernels' DecoderStack, built on the first step that can use it
+    _stack_form: int = 0  # the C++ attention form the stack was built with
     # captured layers -> [(DecoderStack of layers [a, b), a, b)]: the same layers split after
     # each captured one, so a step that returns features still runs a few C++ calls, not 30
     _segments: dict[tuple[int, ...], list[tuple[Any, int, int]]] = {}
@@ -334,8 +336,9 @@ class CausalLM(nn.Module):
                 self.use_decoder_stack = False  # mixed layers: keep the per-layer calls
                 return None
             attn = self.layers[0].self_attn
+            self._stack_form = backend.form  # the C++ attention's form, fixed per process
             stack = self.fused_ops.DecoderStack(
-                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, self._stack_form
             )
             for layer, (args, _, _) in zip(self.layers, whole):
                 ln1, ln2, eps, *planes = args
@@ -354,7 +357,8 @@ class CausalLM(nn.Module):
             got, start = [], 0
             for end in ends:
                 stack = self.fused_ops.DecoderStack(
-                    attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale
+                    attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+                    self._stack_form,
                 )
                 for layer in self.layers[start:end]:
                     ln1, ln2, eps, *planes = layer._layer_args[0]

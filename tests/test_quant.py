@@ -149,57 +149,6 @@ def test_fused_rotary_equals_reference_rotary():
     assert torch.equal(out[:, (H + KVH) * D:], v)
 
 
-def _attention_case(seed: int, query_lens: list[int], ctx_lens: list[int], window: int | None,
-                    cache_dtype: torch.dtype = torch.float32):
-    from specserve.kernels.metadata import AttentionMetadata
-
-    g = torch.Generator().manual_seed(seed)
-    bs, H, KVH, D = 4, 4, 2, 16
-    blocks_per = [-(-c // bs) for c in ctx_lens]
-    perm = torch.randperm(sum(blocks_per) + 3, generator=g).tolist()
-    tables, i = [], 0
-    for n in blocks_per:
-        tables.append(perm[i: i + n])
-        i += n
-    meta = AttentionMetadata.build(query_lens, ctx_lens, tables, bs)
-    n_blocks = len(perm)
-    k_cache = torch.randn(n_blocks, bs, KVH, D, generator=g).to(cache_dtype)
-    v_cache = torch.randn(n_blocks, bs, KVH, D, generator=g).to(cache_dtype)
-    T = sum(query_lens)
-    q = torch.randn(T, H, D, generator=g)
-    k = torch.randn(T, KVH, D, generator=g)
-    v = torch.randn(T, KVH, D, generator=g)
-    return q, k, v, k_cache, v_cache, meta, window
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("window", [None, 5])
-def test_cpu_paged_attention_matches_float64_reference(window, cache_dtype):
-    """Against the torch reference backend run in float64 on the same inputs (with a float16
-    cache: the float16-rounded keys and values, which is what the cache holds); mixed decode,
-    verify and a long prefill (which takes the SDPA path) in one step."""
-    from specserve.kernels.cpu_paged import CpuPagedAttention
-    from specserve.kernels.torch_ref import TorchPagedAttention
-
-    q, k, v, kc, vc, meta, window = _attention_case(5, [1, 4, 20], [9, 13, 20], window,
-                                                    cache_dtype)
-    out = CpuPagedAttention(max_kernel_query=16).forward(q, k, v, kc, vc, meta, 0.25, window)
-    meta.plan_cache.clear()
-    torch.testing.assert_close(
-        CpuPagedAttention().forward(q, k, v, kc, vc, meta, 0.25, window), out, rtol=0, atol=2e-6
-    )
-    kc64, vc64 = kc.double(), vc.double()
-    meta.plan_cache.clear()
-    ref = TorchPagedAttention().forward(
-        q.double(), k.to(cache_dtype).double(), v.to(cache_dtype).double(), kc64, vc64, meta,
-        0.25, window,
-    )
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    # written at the slots, rounded to nearest even as torch rounds float32 -> float16
-    assert torch.equal(kc.view(-1, *k.shape[1:])[meta.slot_mapping], k.to(cache_dtype))
-    assert torch.equal(vc.view(-1, *v.shape[1:])[meta.slot_mapping], v.to(cache_dtype))
-
-
 # ---- batch invariance -------------------------------------------------------------------------
 
 
@@ -261,29 +210,6 @@ def test_fused_ops_are_batch_invariant():
         a, b = r[:rows].clone(), r.clone()
         assert torch.equal(ext.add_rms_norm_(x[:rows], a, w, 1e-6),
                            ext.add_rms_norm_(x, b, w, 1e-6)[:rows])
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("window", [None, 3])
-def test_cpu_paged_attention_verify_rows_equal_decode_rows(window, cache_dtype):
-    """A verify of k+1 tokens gives each row exactly what a one-token decode at that position
-    gives (same cache), in a batch of other sequences or alone."""
-    from specserve.kernels.cpu_paged import CpuPagedAttention
-    from specserve.kernels.metadata import AttentionMetadata
-
-    backend = CpuPagedAttention()
-    q, k, v, kc, vc, meta, _ = _attention_case(9, [5, 1, 3], [12, 7, 10], window, cache_dtype)
-    verify = backend.forward(q, k, v, kc, vc, meta, 0.3, window)  # writes all new K/V
-    tables = [meta.block_tables[b].tolist() for b in range(3)]
-    start = 0
-    for b, (n, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
-        for j in range(n):
-            t = start + j
-            one = AttentionMetadata.build([1], [ctx - n + j + 1], [tables[b]], meta.block_size)
-            row = backend.forward(q[t: t + 1], k[t: t + 1], v[t: t + 1], kc, vc, one, 0.3,
-                                  window)
-            assert torch.equal(row[0], verify[t]), (b, j)
-        start += n
 
 
 # ---- the tuner ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
 //   add_rms_norm_(x, r, w, eps)    r += x (the residual stream, in place); returns rms_norm(r)
 //   rotary_qkv_(qkv, cos, sin, H, KVH, D)  rotate-half RoPE on the q and k parts, in place
 //   silu_mul(gate_up)              silu(gate) * up for gate_up = [gate | up]
-//   paged_attention(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window)
+//   paged_attention(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window, form)
 //       one query row at absolute position p attends keys 0..p (p-window+1..p with a sliding
 //       window) of its sequence in the paged cache: scores, max, exp, sum, weighted values,
 //       all in key order.
@@ -289,9 +289,9 @@ void score_row(const float* q, const T* const* keys, int64_t a0, int64_t z, int6
 // AVX-512 forms of score_row and weigh_values, for head dims that are multiples of 16: 16 lanes
 // per FMA, and the weighted values for G (1-4) query heads of one position at a time (they
 // attend the same keys, so each value row loaded serves G rows). Their sums run in another order
-// than the AVX2 forms', so one process uses one set for every row (paged_attention picks once,
-// from the CPU and D); each row's own arithmetic does not depend on G or on what else shares
-// the call.
+// than the AVX2 forms', so one process passes one form for every call (``form``, chosen by
+// measuring: kernels/attention_form.py); each row's own arithmetic does not depend on G or on
+// what else shares the call.
 #define SPECSERVE_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f")))
 
 SPECSERVE_TARGET_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -377,14 +377,20 @@ SPECSERVE_TARGET_AVX512 void weigh_heads_512(int g, const float* const* p,
   }
 }
 
-// The AVX-512 forms run when the CPU has AVX-512F and D is a multiple of 16.
-bool wide_attention(int64_t D) { return D % 16 == 0 && __builtin_cpu_supports("avx512f"); }
+// Attention forms (paged_attention's ``form``): 0 AVX2 (any CPU the extension runs on), 1
+// AVX-512 (CPU with AVX-512F, D a multiple of 16). Their sums run in different orders, so a
+// process passes one form for every call (kernels/attention_form.py measures which is faster
+// here); within a form a row's bits never depend on what shares its call.
+bool attention_form_supported(int64_t form, int64_t D) {
+  if (form == 0) return true;
+  return form == 1 && D % 16 == 0 && __builtin_cpu_supports("avx512f");
+}
 
 // paged_attention with cache elements T: float (float32 caches) or uint16_t (float16 ones).
 template <typename T>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_of,
-                  const at::Tensor& pos_of, double scale, int64_t window) {
+                  const at::Tensor& pos_of, double scale, int64_t window, bool wide) {
   const int64_t num_rows = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), maxb = block_tables.size(1);
   const int64_t group = H / KVH;
@@ -426,7 +432,6 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t n_tiles = (int64_t)tile_start.size();
   tile_start.push_back(num_rows);
   const int64_t sub = group;
-  const bool wide = wide_attention(D);  // one form for every row of the process
   at::parallel_for(0, n_tiles * KVH, 1, [&](int64_t b, int64_t e) {
     std::vector<float> scores;
     std::vector<const T*> keys, vals;
@@ -535,7 +540,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_of, const at::Tensor& pos_of, double scale,
-                           int64_t window) {
+                           int64_t window, int64_t form) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [T, H, D] tensor");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
@@ -548,9 +553,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(D % 8 == 0 && D <= 256 && group <= 32, "head_dim must be a multiple of 8, at "
               "most 256, and at most 32 query heads per KV head (got ", D, ", ", group,
               "); use --attention-backend torch");
+  TORCH_CHECK(attention_form_supported(form, D), "attention form ", form, " does not run here (",
+              "0: AVX2; 1: AVX-512F with head_dim a multiple of 16, got ", D, ")");
+  const bool wide = form == 1;
   if (k_cache.scalar_type() == at::kHalf)
-    return attend<uint16_t>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window);
-  return attend<float>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window);
+    return attend<uint16_t>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window,
+                            wide);
+  return attend<float>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window, wide);
 }
 
 
@@ -579,7 +588,7 @@ void decoder_layer_(at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2,
                     int64_t D, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& seq_of,
                     const at::Tensor& pos_of, const at::Tensor& slot_mapping, double scale,
-                    int64_t window) {
+                    int64_t window, int64_t form) {
   TORCH_CHECK(rpp.size() == 4, "rpp needs 4 entries");
   const int64_t T = h.size(0);
   at::Tensor qkv = block_linear(rms_norm(h, ln1, eps), qkv_qs, qkv_d, qkv_m, qkv_b, rpp[0]);
@@ -589,7 +598,7 @@ void decoder_layer_(at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2,
   write_kv(k, v, k_cache, v_cache, slot_mapping);
   const at::Tensor q = qkv.narrow(1, 0, H * D).contiguous().view({T, H, D});
   const at::Tensor o = paged_attention(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale,
-                                       window);
+                                       window, form);
   const at::Tensor a = block_linear(o.view({T, H * D}), o_qs, o_d, o_m, o_b, rpp[1]);
   const at::Tensor x = add_rms_norm_(a, h, ln2, eps);
   const at::Tensor gu = block_linear(x, gu_qs, gu_d, gu_m, gu_b, rpp[2]);
@@ -619,8 +628,9 @@ struct Layer {
 
 class DecoderStack {
  public:
-  DecoderStack(int64_t H, int64_t KVH, int64_t D, double scale)
-      : H_(H), KVH_(KVH), D_(D), scale_(scale) {}
+  // form: the attention form every layer uses (see attention_form_supported).
+  DecoderStack(int64_t H, int64_t KVH, int64_t D, double scale, int64_t form)
+      : H_(H), KVH_(KVH), D_(D), scale_(scale), form_(form) {}
 
   // planes: (qs, d, m, bias) of qkv, o, gate_up, down in that order: 16 entries.
   void add_layer(const at::Tensor& ln1, const at::Tensor& ln2, double eps,
@@ -653,13 +663,14 @@ class DecoderStack {
                      l.o.m, l.o.b, l.gate_up.qs, l.gate_up.d, l.gate_up.m, l.gate_up.b,
                      l.down.qs, l.down.d, l.down.m, l.down.b, rpp, cos, sin, H_, KVH_, D_,
                      kv[2 * i], kv[2 * i + 1], block_tables, seq_of, pos_of, slot_mapping,
-                     scale_, l.window);
+                     scale_, l.window, form_);
     }
   }
 
  private:
   int64_t H_, KVH_, D_;
   double scale_;
+  int64_t form_;
   std::vector<Layer> layers_;
 };
 
@@ -667,7 +678,7 @@ class DecoderStack {
 
 void register_fused(pybind11::module& mod) {
   pybind11::class_<DecoderStack>(mod, "DecoderStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
       .def("forward_", &DecoderStack::forward_);
@@ -678,4 +689,6 @@ void register_fused(pybind11::module& mod) {
   mod.def("silu_mul", &silu_mul);
   mod.def("paged_attention", &paged_attention);
   mod.def("write_kv", &write_kv);
+  mod.def("attention_form_supported", &attention_form_supported,
+          "True when paged_attention's form (0 AVX2, 1 AVX-512) runs here for head_dim D");
 }
