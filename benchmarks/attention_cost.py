@@ -59,7 +59,7 @@ def main() -> int:
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--baseline-key", default=None, help="an earlier build's key (see above)")
     ap.add_argument("--form", type=int, default=None,
-                    help="attention form, 0 AVX2 / 1 AVX-512 (default: the engine's measured one)")
+                    help="attention form, 64 * isa + tile (default: the engine's measured one)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     try:

@@ -222,7 +222,7 @@ class CausalLM(nn.Module):
     fused_ops: FusedOps | None = None  # set by enable_fused_ops
     use_decoder_stack: bool = True  # False: one Python call per layer (tests compare the two)
     _stack: Any = None  # kernels' DecoderStack, built on the first step that can use it
-    _stack_form: int = 0  # the C++ attention form the stack was built with
+    _stack_form: int = 8  # the C++ attention form the stack was built with
     # captured layers -> [(DecoderStack of layers [a, b), a, b)]: the same layers split after
     # each captured one, so a step that returns features still runs a few C++ calls, not 30
     _segments: dict[tuple[int, ...], list[tuple[Any, int, int]]] = {}

@@ -9,11 +9,13 @@ import torch
 
 from specserve.kernels.attention_form import supported_forms
 
-FORMS = supported_forms(16)  # the tests' head_dim; [0] without the extension fails loudly below
+FORMS = supported_forms(16)  # the tests' head_dim; [] without the extension fails loudly below
 
 
-def test_the_avx2_form_runs_everywhere_the_extension_does():
-    assert FORMS[:1] == [0]
+def test_the_default_form_runs_everywhere_the_extension_does():
+    from specserve.kernels.attention_form import DEFAULT
+
+    assert FORMS[:1] == [DEFAULT]
 
 
 def _attention_case(seed: int, query_lens: list[int], ctx_lens: list[int], window: int | None,
@@ -99,7 +101,7 @@ def test_attention_form_is_measured_once_and_cached(tmp_path, monkeypatch):
     engine start reads it back without timing (so restarts keep the same form and bits)."""
     from specserve.kernels import attention_form
 
-    assert attention_form.choose_form(9, 3, 64, tmp_path, measure=False) == 0
+    assert attention_form.choose_form(9, 3, 64, tmp_path, measure=False) == attention_form.DEFAULT
     form = attention_form.choose_form(9, 3, 64, tmp_path)
     assert form in attention_form.supported_forms(64)
     if len(attention_form.supported_forms(64)) > 1:
@@ -119,4 +121,4 @@ def test_an_unsupported_attention_form_names_the_forms():
     with pytest.raises(RuntimeError, match="does not run here"):
         quant_ext.load().paged_attention(q, kc, vc, meta.block_tables,
                                          torch.zeros(1, dtype=torch.int64),
-                                         torch.tensor([4]), 0.25, 0, 7)
+                                         torch.tensor([4]), 0.25, 0, 64 * 5 + 8)

@@ -147,11 +147,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
-// Query rows are taken in tiles of up to kTile consecutive positions of one sequence; a tile and
-// one KV head's query heads read each key and value row once. Each query row still computes its
-// own scores, max, sum and weighted values in key order with the same instructions: tiling and
-// grouping change no bits.
-constexpr int64_t kTile = 16;
+// Query rows are taken in tiles of up to ``tile`` consecutive positions of one sequence (the
+// attention kernel's second part, measured per machine); a tile and one KV head's query heads
+// read each key and value row once. Each query row still computes its own scores, max, sum and
+// weighted values in key order with the same instructions: tiling and grouping change no bits.
+constexpr int64_t kMaxTile = 32;
 // Keys per chunk in the item loops: 64 key (or value) rows of head_dim 64 are 16 KB, in L1.
 constexpr int64_t kChunk = 64;
 
@@ -377,20 +377,23 @@ SPECSERVE_TARGET_AVX512 void weigh_heads_512(int g, const float* const* p,
   }
 }
 
-// Attention forms (paged_attention's ``form``): 0 AVX2 (any CPU the extension runs on), 1
-// AVX-512 (CPU with AVX-512F, D a multiple of 16). Their sums run in different orders, so a
-// process passes one form for every call (kernels/attention_form.py measures which is faster
-// here); within a form a row's bits never depend on what shares its call.
+// Attention kernels (paged_attention's ``form``) = 64 * isa + tile: isa 0 AVX2 (any CPU the
+// extension runs on) or 1 AVX-512 (AVX-512F, D a multiple of 16); tile 1..32 query positions per
+// work item. The two ISAs sum in different orders, so a process passes one form for every call
+// (kernels/attention_form.py measures which is fastest here); tiles change no bits.
 bool attention_form_supported(int64_t form, int64_t D) {
-  if (form == 0) return true;
-  return form == 1 && D % 16 == 0 && __builtin_cpu_supports("avx512f");
+  const int64_t isa = form / 64, tile = form % 64;
+  if (form < 0 || tile < 1 || tile > kMaxTile) return false;
+  if (isa == 0) return true;
+  return isa == 1 && D % 16 == 0 && __builtin_cpu_supports("avx512f");
 }
 
 // paged_attention with cache elements T: float (float32 caches) or uint16_t (float16 ones).
 template <typename T>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_of,
-                  const at::Tensor& pos_of, double scale, int64_t window, bool wide) {
+                  const at::Tensor& pos_of, double scale, int64_t window, bool wide,
+                  int64_t tile) {
   const int64_t num_rows = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), maxb = block_tables.size(1);
   const int64_t group = H / KVH;
@@ -403,7 +406,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   float* op = out.data_ptr<float>();
   const float sc = (float)scale;
   // Tiles: runs of consecutive positions of one sequence, cut into near-equal tiles of at most
-  // kTile rows. One work item = one tile x all query heads of one KV head, so each key and value
+  // ``tile`` rows. One work item = one tile x all query heads of one KV head, so each key and value
   // row is read once for the group's heads (reading them per head was memory-bound, even at a
   // 450-token context). When the items would not split evenly over the threads and are few (a
   // 5-row verify of one sequence: 3 items on 2 threads), each run's tiles are doubled (3 + 2
@@ -416,7 +419,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t n_runs = (int64_t)run_start.size() - 1;
   int64_t total = 0;
   for (int64_t r = 0; r < n_runs; ++r) {
-    run_tiles.push_back((run_start[r + 1] - run_start[r] + kTile - 1) / kTile);
+    run_tiles.push_back((run_start[r + 1] - run_start[r] + tile - 1) / tile);
     total += run_tiles.back();
   }
   const int64_t threads = at::get_num_threads();
@@ -442,7 +445,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
       const int64_t R = nt * sub;  // query rows of this item: (position x / sub, head x % sub)
       const int32_t* table = bt + sq[t0] * maxb;
-      int64_t lo[kTile], hi[kTile];
+      int64_t lo[kMaxTile], hi[kMaxTile];
       for (int64_t r = 0; r < nt; ++r) {
         hi[r] = ps[t0 + r];
         lo[r] = window > 0 ? std::max<int64_t>(0, hi[r] - window + 1) : 0;
@@ -476,7 +479,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       }
       // Per query row: max, p = exp(s - max) in place (8 lanes from its first key, then a fixed
       // horizontal order and the tail), sum.
-      float sums[kTile * 32];
+      float sums[kMaxTile * 32];
       for (int64_t x = 0; x < R; ++x) {
         const int64_t r = x / sub;
         float* sr = scores.data() + x * span;
@@ -553,13 +556,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(D % 8 == 0 && D <= 256 && group <= 32, "head_dim must be a multiple of 8, at "
               "most 256, and at most 32 query heads per KV head (got ", D, ", ", group,
               "); use --attention-backend torch");
-  TORCH_CHECK(attention_form_supported(form, D), "attention form ", form, " does not run here (",
-              "0: AVX2; 1: AVX-512F with head_dim a multiple of 16, got ", D, ")");
-  const bool wide = form == 1;
+  TORCH_CHECK(attention_form_supported(form, D), "attention form ", form, " does not run here ",
+              "(64 * isa + tile, tile 1..", kMaxTile, "; isa 0 AVX2, 1 AVX-512F with head_dim a ",
+              "multiple of 16, got ", D, ")");
+  const bool wide = form / 64 == 1;
+  const int64_t tile = form % 64;
   if (k_cache.scalar_type() == at::kHalf)
     return attend<uint16_t>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window,
-                            wide);
-  return attend<float>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window, wide);
+                            wide, tile);
+  return attend<float>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window, wide,
+                       tile);
 }
 
 
@@ -690,5 +696,5 @@ void register_fused(pybind11::module& mod) {
   mod.def("paged_attention", &paged_attention);
   mod.def("write_kv", &write_kv);
   mod.def("attention_form_supported", &attention_form_supported,
-          "True when paged_attention's form (0 AVX2, 1 AVX-512) runs here for head_dim D");
+          "True when paged_attention's form (64 * isa + tile) runs here for head_dim D");
 }
