@@ -68,8 +68,12 @@ class Proposal:
     # Only positions the target accepts stay valid: the engine keeps min(this, tokens - 1).
     kv_computed: list[int] | None = None
     step_seconds: list[float] = field(default_factory=list)  # per sequential draft forward
-    # Per request, the proposer's estimate of each draft token's chance to be accepted.
+    # Per request, the proposer's estimate of each draft token's chance to be accepted
+    # (cumulative: that it and every token before it are right).
     confidence: list[list[float]] | None = None
+    # Per request, how many tokens of context the draft's match covers (model-free proposers):
+    # the policy prices drafts by it (specserve/acceptance_model.py).
+    match_lengths: list[int] | None = None
 
 
 @dataclass

@@ -46,9 +46,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 from specserve.draft.base import Proposal, ProposalRequest, StatelessProposer
 
 
-def _continuation(tokens: np.ndarray, min_n: int, max_n: int) -> int | None:
-    """Index of the token after the latest earlier copy of the longest matching suffix
-    (``begin <= L - 1``), or None when no n in [min_n, max_n] matches."""
+def _continuation(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int] | None:
+    """(index of the token after the latest earlier copy of the longest matching suffix
+    (``begin <= L - 1``), that suffix's length n), or None when no n in [min_n, max_n] matches."""
     length = tokens.shape[0]
     # The copy must end at or before L - 2, so n <= L - 1.
     for n in range(min(max_n, length - 1), min_n - 1, -1):
@@ -56,8 +56,23 @@ def _continuation(tokens: np.ndarray, min_n: int, max_n: int) -> int | None:
         hits = (windows == tokens[length - n :]).all(axis=1)  # [L - n]
         starts = np.flatnonzero(hits)
         if starts.size:
-            return int(starts[-1]) + n  # the latest occurrence
+            return int(starts[-1]) + n, n  # the latest occurrence
     return None
+
+
+def find_ngram_match(
+    tokens: np.ndarray, k: int, min_n: int, max_n: int, edit_fallback: bool = True
+) -> tuple[np.ndarray, int]:
+    """(the draft for one sequence, the length of the match it copies after): up to ``k``
+    tokens, a view into ``tokens``; the match length is 0 for an edit-fallback draft (the last
+    token itself matched nothing) and for an empty draft."""
+    hit = _continuation(tokens, min_n, max_n)
+    if hit is None and edit_fallback:  # the last token is new: resume past an edit
+        hit = _continuation(tokens[:-1], min_n, max_n)
+        hit = None if hit is None else (hit[0] + 1, 0)
+    if hit is None:
+        return tokens[:0], 0
+    return tokens[hit[0] : hit[0] + k], hit[1]
 
 
 def find_ngram_draft(
@@ -68,11 +83,7 @@ def find_ngram_draft(
     ``tokens``: [L] integer array. Returns a view into ``tokens`` (length 0..k).
     ``edit_fallback=False`` gives the rule without the edit case (benchmarks compare the two).
     """
-    begin = _continuation(tokens, min_n, max_n)
-    if begin is None and edit_fallback:  # the last token is new: resume past an edit
-        begin = _continuation(tokens[:-1], min_n, max_n)
-        begin = None if begin is None else begin + 1
-    return tokens[:0] if begin is None else tokens[begin : begin + k]
+    return find_ngram_match(tokens, k, min_n, max_n, edit_fallback)[0]
 
 
 class NgramProposer(StatelessProposer):
@@ -93,15 +104,17 @@ class NgramProposer(StatelessProposer):
     def propose(self, requests: list[ProposalRequest]) -> Proposal:
         """One draft list per request, in order; each has 0..``num_tokens`` tokens."""
         drafts: list[list[int]] = []
+        matches: list[int] = []
         for req in requests:
             if req.num_tokens < 1:
                 raise ValueError(
                     f"num_tokens must be >= 1 (got {req.num_tokens} for seq {req.seq_id})"
                 )
             tokens = np.asarray(req.token_ids, dtype=np.int64)
-            draft = find_ngram_draft(tokens, req.num_tokens, self.min_n, self.max_n)
+            draft, n = find_ngram_match(tokens, req.num_tokens, self.min_n, self.max_n)
             drafts.append(draft.tolist())
-        return Proposal(draft_token_ids=drafts)
+            matches.append(n)
+        return Proposal(draft_token_ids=drafts, match_lengths=matches)
 
     def __repr__(self) -> str:
         return f"NgramProposer(min_n={self.min_n}, max_n={self.max_n})"

@@ -109,6 +109,7 @@ class SuffixProposer(StatelessProposer):
         return Proposal(
             draft_token_ids=[d.tokens for d in drafts],
             confidence=[d.probs for d in drafts],
+            match_lengths=[d.match_length for d in drafts],
         )
 
     def draft(self, req: ProposalRequest) -> SuffixDraft:

@@ -23,16 +23,23 @@ machine's cost is not linear in ``n`` (on the dev CPU float32 a 4-row forward co
 1-row one, 5 rows ~1.2x, and 64 rows ~1.7x what 32 do), so a line fitted across batch sizes would
 misprice exactly the choices that matter; the table does not. Acceptance ``a`` is tracked per
 sequence (accepted / examined drafts, with a prior from the method's global rate); a sequence
-the policy keeps at k = 0 drifts back to that prior, so it is tried again later.
+the policy keeps at k = 0 drifts back to that prior, so it is tried again later. A model-free
+draft (n-gram, suffix) is priced token by token instead (``Candidate.expected_by_k``): hazards by
+match length, proposer probability and position, shifted by the sequence's rate
+(specserve/acceptance_model.py); geometric pricing from ``a`` alone cut a 16-token match like a
+one-token one.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from specserve.acceptance_model import AcceptanceModel, DraftHints, expected_by_k
 
 _MIN_SAMPLES = 3  # measurements at one token count before the table trusts them
 _PRIOR_RATE = 0.6  # acceptance assumed for a method before (and long after) any evidence
@@ -112,7 +119,8 @@ class _StepCost:
     def median(self) -> dict[int, float]:
         """Median seconds per measured count, recomputed on read for counts seen since."""
         for units in self._stale:
-            self._median[units] = float(np.median(self.recent[units]))
+            # statistics, not numpy: on windows this small numpy's call costs ~20x the sort
+            self._median[units] = statistics.median(self.recent[units])
         self._stale.clear()
         return self._median
 
@@ -174,6 +182,14 @@ class Candidate:
     uses_draft_model: bool
     host_seconds: float = 0.0  # its model-free proposer's host time per step (when it drafts)
     method: str = ""  # the proposer it would draft with (its global rate is the prior)
+    # Expected tokens per verify at k = 0, 1, .. from its real draft (acceptance_model.py);
+    # empty: priced from ``rate`` alone. Past the table's end more drafts add nothing.
+    expected_by_k: tuple[float, ...] = ()
+
+    def expected(self, k: int) -> float:
+        if not self.expected_by_k:
+            return expected_tokens(self.rate, k)
+        return self.expected_by_k[min(k, len(self.expected_by_k) - 1)]
 
 
 class _Median:
@@ -190,7 +206,7 @@ class _Median:
 
     def __call__(self) -> float:
         if self._value is None:
-            self._value = float(np.median(self.samples)) if self.samples else 0.0
+            self._value = statistics.median(self.samples) if self.samples else 0.0
         return self._value
 
 
@@ -208,6 +224,7 @@ class SpeculationPolicy:
         self.draft_cost = _LinearCost(fixed=0.01, per_unit=0.0005)
         self.proposer_cost: dict[str, _Median] = {}  # method -> host seconds per sequence
         self.global_stats: dict[str, AcceptanceStats] = {}
+        self.acceptance = AcceptanceModel()  # per-token hazards of model-free drafts
         # seq id -> method -> its acceptance (a sequence under `auto` tries several methods)
         self.seq_stats: dict[int, dict[str, AcceptanceStats]] = {}
 
@@ -239,9 +256,23 @@ class SpeculationPolicy:
         self.seq_stats.pop(seq_id, None)
 
     def acceptance_rate(self, seq_id: int, method: str) -> float:
-        prior = self.global_stats.get(method, AcceptanceStats()).rate(_PRIOR_RATE)
         stats = self.seq_stats.get(seq_id, {}).get(method)
-        return (stats or AcceptanceStats()).rate(prior)
+        return (stats or AcceptanceStats()).rate(self.method_rate(method))
+
+    def method_rate(self, method: str) -> float:
+        return self.global_stats.get(method, AcceptanceStats()).rate(_PRIOR_RATE)
+
+    def expected_by_k(self, seq_id: int, method: str, hints: DraftHints, k: int
+                      ) -> tuple[float, ...]:
+        """Expected tokens per verify of the first 0..k tokens of a real draft (see
+        acceptance_model.py): a model-free draft is priced by what it says about itself."""
+        return expected_by_k(self.acceptance.survival(
+            method, hints, k, self.acceptance_rate(seq_id, method), self.method_rate(method)))
+
+    def record_draft(self, method: str, hints: DraftHints, drafts: int, accepted: int) -> None:
+        """Per-token outcome of a verified model-free draft, for the hazard bins."""
+        if drafts > 0:
+            self.acceptance.record(method, hints, drafts, accepted)
 
     # ---- decision -----------------------------------------------------------------------
 
@@ -321,8 +352,7 @@ class _StepTotals:
         self.policy = policy
         self.ks = dict(ks)
         self.plain = policy.target_cost(n_base)
-        self.gain = num_other_decodes + sum(expected_tokens(c.rate, ks[c.key])
-                                            for c in candidates)
+        self.gain = num_other_decodes + sum(c.expected(ks[c.key]) for c in candidates)
         self.tokens = n_base + sum(ks.values())
         self.host = sum(c.host_seconds for c in candidates if ks[c.key] > 0)
         self.model_ks = [0] * (k_top + 1)  # k -> draft-model sequences drafting k tokens
@@ -341,7 +371,7 @@ class _StepTotals:
 
     def move(self, c: Candidate, k: int) -> None:
         old = self.ks[c.key]
-        self.gain += expected_tokens(c.rate, k) - expected_tokens(c.rate, old)
+        self.gain += c.expected(k) - c.expected(old)
         self.tokens += k - old
         self.host += c.host_seconds * ((k > 0) - (old > 0))
         if c.uses_draft_model:

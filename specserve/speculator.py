@@ -11,9 +11,11 @@ Proposers come from ``specserve.draft.registry`` by name; nothing here names a p
 Proposers without a model (n-gram, suffix) only read tokens, so they draft already in ``choose_k``:
 the policy then sees each sequence's real draft length (k never exceeds it) and ``auto`` sees what a
 cheap proposer has to offer before it pays for a draft model. ``auto`` picks, per sequence and step,
-the method with the best expected goodput: expected tokens per verify (from the draft's length and
-the sequence's measured acceptance for that method) over the step's cost (verify rows, plus the
-draft model's sequential forwards); the batch policy then cuts k, to 0 when nothing pays.
+the method with the best expected goodput: expected tokens per verify over the step's cost (verify
+rows, plus the draft model's sequential forwards); the batch policy then cuts k, to 0 when nothing
+pays. A model-free draft's expected tokens come from what it says about itself (its match length,
+its proposer's per-token probabilities) through hazards learned from earlier verifies
+(acceptance_model.py); a draft model's from the sequence's measured acceptance for it.
 
 A model-free proposer's host time is measured per call and priced by the policy. A sequence the
 policy keeps at k = 0 does not call its proposer for the next 1, 2, 4, .. 16 steps (``_idle``),
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.acceptance_model import DraftHints
 from specserve.config import EngineConfig
 from specserve.draft.base import (
     DraftSampling,
@@ -87,6 +90,8 @@ class Speculator:
         )
         self.generator = generator
         self._early: dict[int, list[int]] = {}  # seq id -> this step's model-free draft
+        self._hints: dict[int, tuple[str, DraftHints]] = {}  # seq id -> (method, its hints)
+        self._expected_memo: dict[tuple[int, str, int], tuple[float, ...]] = {}
         self._early_seconds = 0.0
         self._kv_after: dict[int, int] = {}  # seq id -> its proposer's KV after drafting
         # Draft-model tokens per step are bounded like the target's: a prompt whose draft KV is
@@ -153,6 +158,8 @@ class Speculator:
         prefill_tokens = 0
         decoding = 0
         self._early.clear()
+        self._hints.clear()
+        self._expected_memo.clear()
         self._catch_up.clear()
         t0 = time.perf_counter()
         for seq in running:
@@ -188,7 +195,8 @@ class Speculator:
             rate = self.policy.acceptance_rate(seq.seq_id, method)
             uses_model = self.proposers[method].uses_model
             host = 0.0 if uses_model else self.policy.proposer_seconds(method)
-            candidates.append(Candidate(seq.seq_id, k_max, rate, uses_model, host, method))
+            candidates.append(Candidate(seq.seq_id, k_max, rate, uses_model, host, method,
+                                        self._expected(seq, method, k_max)))
         self._early_seconds = time.perf_counter() - t0
         if not candidates:
             return
@@ -207,10 +215,26 @@ class Speculator:
     def _cheap_draft(self, proposer: Proposer, seq: Sequence, k: int) -> list[int]:
         req = self._request(seq, k)
         t0 = time.perf_counter()
-        tokens = proposer.propose([req]).draft_token_ids[0]
+        proposal = proposer.propose([req])
         self.policy.record_proposer(proposer.name, time.perf_counter() - t0)
+        tokens = proposal.draft_token_ids[0]
         self._early[seq.seq_id] = tokens
+        self._hints[seq.seq_id] = (proposer.name, DraftHints(
+            proposal.match_lengths[0] if proposal.match_lengths is not None else -1,
+            tuple(proposal.confidence[0]) if proposal.confidence is not None else ()))
         return tokens
+
+    def _expected(self, seq: Sequence, method: str, k: int) -> tuple[float, ...]:
+        """Expected tokens per verify at k = 0..k of this step's model-free draft (empty for
+        a draft model: it drafts after the policy chose k, so there is no draft to read yet)."""
+        hinted = self._hints.get(seq.seq_id)
+        if hinted is None or hinted[0] != method:
+            return ()
+        key = (seq.seq_id, method, k)  # auto prices the draft, then the policy does again
+        if key not in self._expected_memo:
+            self._expected_memo[key] = self.policy.expected_by_k(seq.seq_id, method,
+                                                                 hinted[1], k)
+        return self._expected_memo[key]
 
     def _pick(self, seq: Sequence, k_max: int) -> tuple[str, int]:
         """(method, most drafts worth reserving) for this step."""
@@ -226,10 +250,12 @@ class Speculator:
         cheap = self.proposers.get(_AUTO_CHEAP)
         if cheap is not None:
             n = len(self._cheap_draft(cheap, seq, k_max))
-            rate = self.policy.acceptance_rate(seq.seq_id, _AUTO_CHEAP)
+            expected = self._expected(seq, _AUTO_CHEAP, n)
             host = self.policy.proposer_seconds(_AUTO_CHEAP)
-            options.append((expected_tokens(rate, n) / (max(cost(1 + n), cost(1)) + host),
-                            _AUTO_CHEAP, n))
+            # priced at its best cut (the policy may shorten it), not at its whole length
+            value = max(expected[j] / (max(cost(1 + j), cost(1)) + host)
+                        for j in range(len(expected)))
+            options.append((value, _AUTO_CHEAP, n))
         for name, p in self.proposers.items():
             if p.uses_model:
                 k = min(k_max, self.config.num_speculative_tokens)
@@ -359,6 +385,9 @@ class Speculator:
         if drafts:
             self.policy.record_acceptance(seq.seq_id, seq.spec_step_method, len(drafts),
                                           accepted)
+            hinted = self._hints.get(seq.seq_id)
+            if hinted is not None and hinted[0] == seq.spec_step_method:
+                self.policy.record_draft(hinted[0], hinted[1], len(drafts), accepted)
         kv = self._kv_after.get(seq.seq_id)
         if kv is not None:  # the proposer's KV holds only the positions the target kept
             seq.draft_num_computed = min(kv, seq.num_tokens - 1)
