@@ -1,15 +1,19 @@
-"""Which form of the C++ paged attention a process runs, measured: ``64 * isa + tile``, isa 0
-(AVX2) or 1 (AVX-512), tile the query positions per work item (8 or 16).
+"""Which form of the C++ paged attention a process runs, measured: ``1024 * seg + 64 * isa +
+tile``, isa 0 (AVX2) or 1 (AVX-512), tile the query positions per work item (8 or 16), seg 0
+(each row's keys in one run) or 1-3 (keys in segments of 128, 256 or 512 positions, folded in
+order, so that a lone sequence's few KV heads spread over every thread).
 
-The two ISAs sum in different orders, so a process must use one form for every call (a verify
-row then equals the decode row at its position, bit for bit); which is faster depends on the CPU
-(AVX-512 runs at full width on Zen 5, double-pumped on Zen 4, at lower clocks on some Xeons), and
-so does the tile (larger tiles re-read keys less, smaller ones split a verify over more threads).
-Tiles change no bits. So the first engine on a machine times every form on the model's attention
-shape, at a decode row and two verifies over a synthetic paged cache, and keeps the fastest; the
-choice is cached per CPU model, torch threads, shape and extension build under
-``$SPECSERVE_CACHE_DIR/tune``, so every later start (and every server restart) runs the same form
-and gives the same bits.
+The two ISAs, and the segment sizes, sum in different orders, so a process must use one form for
+every call (a verify row then equals the decode row at its position, bit for bit); which is
+faster depends on the CPU (AVX-512 runs at full width on Zen 5, double-pumped on Zen 4, at lower
+clocks on some Xeons), and so do the tile (larger tiles re-read keys less, smaller ones split a
+verify over more threads) and the segment (shorter ones balance the threads better and cost a
+fold each). Tiles change no bits. So the first engine on a machine times every form on the
+model's attention shape, at a decode row and two verifies over synthetic paged caches of a short
+and a long context, and keeps the form that is fastest relative to the best on each case (~2 s
+once per machine); the choice is cached per CPU model, torch threads, shape and extension build
+under ``$SPECSERVE_CACHE_DIR/tune``, so every later start (and every server restart) runs the
+same form and gives the same bits.
 """
 
 from __future__ import annotations
@@ -30,14 +34,15 @@ log = logging.getLogger(__name__)
 
 AVX2, AVX512 = 0, 1  # isa
 TILES = (8, 16)
+SEGMENTS = (0, 1, 2, 3)  # 0: none; s: segments of 64 << s key positions
 DEFAULT = 64 * AVX2 + 8  # untimed (kernel tuning off): runs on every CPU the extension runs on
-_CONTEXT = 768  # keys per timed sequence: a few L1 chunks, a typical chat context
+_CONTEXTS = (768, 2048)  # keys per timed sequence: a chat context, a long one
 _ROWS = (1, 5, 17)  # a decode step, a 4-token verify and a 16-token one
 _LAYERS = 8  # distinct caches per pass, so the keys come from memory as in a real step
 
 
-def form(isa: int, tile: int) -> int:
-    return 64 * isa + tile
+def form(isa: int, tile: int, seg: int = 0) -> int:
+    return 1024 * seg + 64 * isa + tile
 
 
 def supported_forms(head_dim: int) -> list[int]:
@@ -45,37 +50,42 @@ def supported_forms(head_dim: int) -> list[int]:
     if not quant_ext.available():
         return []
     ext = quant_ext.load()
-    forms = [form(isa, t) for isa in (AVX2, AVX512) for t in TILES]
+    forms = [form(isa, t, seg) for seg in SEGMENTS for isa in (AVX2, AVX512) for t in TILES]
     return [f for f in forms if ext.attention_form_supported(f, head_dim)]
 
 
 def time_forms(num_heads: int, num_kv_heads: int, head_dim: int, forms: list[int],
                repeats: int = 9) -> dict[int, float]:
-    """Median seconds of one pass (``_LAYERS`` layers, each row count of ``_ROWS``) per form,
-    passes alternating between the forms."""
+    """Per form, its cost over the timed cases (a decode row and two verifies, at a short and a
+    long context; ``_LAYERS`` layers each): the sum over cases of its median seconds relative to
+    the fastest form's on that case, so a decode row (a fraction of a verify's time) weighs as
+    much as a verify. Passes alternate between the forms."""
     ext = quant_ext.load()
     bs = 16
-    nb = _CONTEXT // bs + 1
     g = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(nb, bs, num_kv_heads, head_dim, generator=g),
-               torch.randn(nb, bs, num_kv_heads, head_dim, generator=g)) for _ in range(_LAYERS)]
-    table = torch.arange(nb, dtype=torch.int32)[None]
-    cases = []
-    for rows in _ROWS:
-        q = torch.randn(rows, num_heads, head_dim, generator=g)
-        seq_of = torch.zeros(rows, dtype=torch.int64)
-        pos_of = torch.arange(_CONTEXT - rows, _CONTEXT, dtype=torch.int64)
-        cases.append((q, seq_of, pos_of))
-    samples: dict[int, list[float]] = {f: [] for f in forms}
+    cases = []  # (q, caches, block table, seq_of, pos_of)
+    for context in _CONTEXTS:
+        nb = context // bs + 1
+        caches = [(torch.randn(nb, bs, num_kv_heads, head_dim, generator=g),
+                   torch.randn(nb, bs, num_kv_heads, head_dim, generator=g))
+                  for _ in range(_LAYERS)]
+        table = torch.arange(nb, dtype=torch.int32)[None]
+        for rows in _ROWS:
+            q = torch.randn(rows, num_heads, head_dim, generator=g)
+            pos_of = torch.arange(context - rows, context, dtype=torch.int64)
+            cases.append((q, caches, table, torch.zeros(rows, dtype=torch.int64), pos_of))
+    samples = {f: [[] for _ in cases] for f in forms}
     for rep in range(repeats + 1):
         for f in forms if rep % 2 else forms[::-1]:
-            t0 = time.perf_counter()
-            for q, seq_of, pos_of in cases:
+            for c, (q, caches, table, seq_of, pos_of) in enumerate(cases):
+                t0 = time.perf_counter()
                 for k, v in caches:
                     ext.paged_attention(q, k, v, table, seq_of, pos_of, head_dim ** -0.5, 0, f)
-            if rep:  # the first pass warms up
-                samples[f].append(time.perf_counter() - t0)
-    return {f: statistics.median(s) for f, s in samples.items()}
+                if rep:  # the first pass warms up
+                    samples[f][c].append(time.perf_counter() - t0)
+    medians = {f: [statistics.median(s) for s in per_case] for f, per_case in samples.items()}
+    best = [min(m[c] for m in medians.values()) for c in range(len(cases))]
+    return {f: sum(t / b for t, b in zip(m, best)) for f, m in medians.items()}
 
 
 def choose_form(num_heads: int, num_kv_heads: int, head_dim: int, cache_dir: Path | None,
@@ -96,15 +106,15 @@ def choose_form(num_heads: int, num_kv_heads: int, head_dim: int, cache_dir: Pat
                 return cached
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    seconds = time_forms(num_heads, num_kv_heads, head_dim, forms)
-    best = min(seconds, key=seconds.__getitem__)
-    log.info("attention form %d (seconds per pass: %s)", best,
-             {f: round(s, 5) for f, s in seconds.items()})
+    cost = time_forms(num_heads, num_kv_heads, head_dim, forms)
+    best = min(cost, key=cost.__getitem__)
+    log.info("attention form %d (cost relative to the best per case: %s)", best,
+             {f: round(c, 3) for f, c in cost.items()})
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"form": best, "seconds": seconds}))
+            tmp.write_text(json.dumps({"form": best, "cost": cost}))
             tmp.replace(path)
         except OSError as exc:
             log.warning("could not cache the attention form at %s: %s", path, exc)

@@ -75,9 +75,9 @@ class CpuPagedAttention:
     def __init__(self, max_kernel_query: int | None = None, form: int = 8) -> None:
         self._ext = quant_ext.load()
         self.max_kernel_query = max_kernel_query
-        # The C++ attention's form (64 * isa + tile; 8: AVX2, tiles of 8): one for every call of
-        # the process, so verify rows equal decode rows; the engine sets the measured one
-        # (attention_form.py) before its first step.
+        # The C++ attention's form (1024 * seg + 64 * isa + tile; 8: AVX2, tiles of 8, no key
+        # segments): one for every call of the process, so verify rows equal decode rows; the
+        # engine sets the measured one (attention_form.py) before its first step.
         self.form = form
         self._long = TorchPagedAttention()
 

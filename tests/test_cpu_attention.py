@@ -1,6 +1,6 @@
-"""The C++ paged attention (kernels/csrc/fused.cpp) in both of its forms (AVX2, and AVX-512 where
-the CPU has it) and with float32 and float16 caches: against a float64 reference, and verify
-rows bit for bit equal to decode rows."""
+"""The C++ paged attention (kernels/csrc/fused.cpp) in all of its forms (AVX2, and AVX-512 where
+the CPU has it; tiles; key segments) and with float32 and float16 caches: against a float64
+reference, and verify rows bit for bit equal to decode rows."""
 
 from __future__ import annotations
 
@@ -79,21 +79,52 @@ def test_cpu_paged_attention_verify_rows_equal_decode_rows(window, cache_dtype, 
     """A verify of k+1 tokens gives each row exactly what a one-token decode at that position
     gives (same cache), in a batch of other sequences or alone."""
     from specserve.kernels.cpu_paged import CpuPagedAttention
-    from specserve.kernels.metadata import AttentionMetadata
 
     backend = CpuPagedAttention(form=form)
-    q, k, v, kc, vc, meta, _ = _attention_case(9, [5, 1, 3], [12, 7, 10], window, cache_dtype)
+    case = _attention_case(9, [5, 1, 3], [12, 7, 10], window, cache_dtype)
+    q, k, v, kc, vc, meta, _ = case
     verify = backend.forward(q, k, v, kc, vc, meta, 0.3, window)  # writes all new K/V
-    tables = [meta.block_tables[b].tolist() for b in range(3)]
+    _assert_each_row_equals_its_decode(backend, case, verify, 0.3)
+
+
+def _assert_each_row_equals_its_decode(backend, case, batch: torch.Tensor, scale: float) -> None:
+    """Every row of ``batch`` (a call over ``case``) equals a one-row call at its position."""
+    from specserve.kernels.metadata import AttentionMetadata
+
+    q, k, v, kc, vc, meta, window = case
+    tables = [meta.block_tables[b].tolist() for b in range(len(meta.query_lens_cpu))]
     start = 0
     for b, (n, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
         for j in range(n):
             t = start + j
             one = AttentionMetadata.build([1], [ctx - n + j + 1], [tables[b]], meta.block_size)
-            row = backend.forward(q[t: t + 1], k[t: t + 1], v[t: t + 1], kc, vc, one, 0.3,
+            row = backend.forward(q[t: t + 1], k[t: t + 1], v[t: t + 1], kc, vc, one, scale,
                                   window)
-            assert torch.equal(row[0], verify[t]), (b, j)
+            assert torch.equal(row[0], batch[t]), (b, j)
         start += n
+
+
+@pytest.mark.parametrize("form", [f for f in FORMS if f >= 1024])
+@pytest.mark.parametrize("window", [None, 200])
+def test_key_segments_fold_to_the_same_bits_in_any_call(window, form):
+    """Forms with key segments (128 to 512 positions): contexts of 300-700 keys, rows straddling
+    segment boundaries. Each row equals the float64 reference, and equals itself computed alone
+    (a decode row: its segments split over the threads, then folded) and inside a batch of 9
+    sequences (enough items that each item folds its own segments as it goes)."""
+    from specserve.kernels.cpu_paged import CpuPagedAttention
+    from specserve.kernels.torch_ref import TorchPagedAttention
+
+    backend = CpuPagedAttention(form=form)
+    ctx = [260, 300, 513, 700, 129, 640, 384, 385, 200]
+    qlen = [5, 1, 3, 17, 2, 1, 4, 1, 1]
+    case = _attention_case(11, qlen, ctx, window)
+    q, k, v, kc, vc, meta, _ = case
+    batch = backend.forward(q, k, v, kc, vc, meta, 0.2, window)
+    meta.plan_cache.clear()
+    ref = TorchPagedAttention().forward(q.double(), k.double(), v.double(), kc.double(),
+                                        vc.double(), meta, 0.2, window)
+    torch.testing.assert_close(batch.double(), ref, rtol=1e-5, atol=1e-5)
+    _assert_each_row_equals_its_decode(backend, case, batch, 0.2)
 
 
 def test_attention_form_is_measured_once_and_cached(tmp_path, monkeypatch):

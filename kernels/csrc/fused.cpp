@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -377,34 +378,190 @@ SPECSERVE_TARGET_AVX512 void weigh_heads_512(int g, const float* const* p,
   }
 }
 
-// Attention kernels (paged_attention's ``form``) = 64 * isa + tile: isa 0 AVX2 (any CPU the
-// extension runs on) or 1 AVX-512 (AVX-512F, D a multiple of 16); tile 1..32 query positions per
-// work item. The two ISAs sum in different orders, so a process passes one form for every call
-// (kernels/attention_form.py measures which is fastest here); tiles change no bits.
+// Attention kernels (paged_attention's ``form``) = 1024 * seg + 64 * isa + tile: isa 0 AVX2 (any
+// CPU the extension runs on) or 1 AVX-512 (AVX-512F, D a multiple of 16); tile 1..32 query
+// positions per work item; seg 0 (each row's keys in one run) or 1..3 (keys in segments of
+// 64 << seg absolute positions, folded in order: see attend). The ISAs and the segment sizes sum in
+// different orders, so a process passes one form for every call (kernels/attention_form.py
+// measures which is fastest here); tiles, and which thread computes which segment, change no bits.
+constexpr int64_t kMaxSeg = 3;
+
 bool attention_form_supported(int64_t form, int64_t D) {
-  const int64_t isa = form / 64, tile = form % 64;
-  if (form < 0 || tile < 1 || tile > kMaxTile) return false;
+  const int64_t seg = form / 1024, isa = form % 1024 / 64, tile = form % 64;
+  if (form < 0 || tile < 1 || tile > kMaxTile || seg > kMaxSeg) return false;
   if (isa == 0) return true;
   return isa == 1 && D % 16 == 0 && __builtin_cpu_supports("avx512f");
 }
 
+inline float exp1(float x) { return _mm256_cvtss_f32(exp256(_mm256_set1_ps(x))); }
+
+// What one work item needs of a paged_attention call.
+template <typename T>
+struct AttendCall {
+  const float* qp;
+  const T *kp, *vp;
+  const int32_t* bt;
+  const int64_t *sq, *ps;
+  int64_t H, KVH, D, bs, maxb, group, window;
+  float scale;
+  bool wide;
+  int64_t lo(int64_t t) const { return window > 0 ? std::max<int64_t>(0, ps[t] - window + 1) : 0; }
+};
+
+// Per-thread scratch of attend_keys.
+template <typename T>
+struct AttendScratch {
+  std::vector<float> scores;
+  std::vector<const T*> keys, vals;
+};
+
+// One work item: query rows of positions [t0, t0 + nt) of one sequence (a tile) x the query heads
+// of KV head kvh, against keys [ka, kb] (absolute positions; each row only its own [lo, hi]
+// within). Per query row x (position x / group, head x % group) it writes m[x], the max score
+// (-inf: the row has no key here), l[x] = sum of exp(s - m), and acc[x * D ..] = sum of
+// exp(s - m) v, keys in order.
+template <typename T>
+void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, int64_t ka,
+                 int64_t kb, AttendScratch<T>& w, float* m, float* l, float* acc) {
+  const int64_t D = c.D, sub = c.group, R = nt * sub, hbase = kvh * c.group;
+  const int32_t* table = c.bt + c.sq[t0] * c.maxb;
+  int64_t lo[kMaxTile], hi[kMaxTile];
+  for (int64_t r = 0; r < nt; ++r) {
+    lo[r] = std::max(c.lo(t0 + r), ka);
+    hi[r] = std::min(c.ps[t0 + r], kb);
+  }
+  const int64_t jlo = ka, span = kb - ka + 1;
+  w.scores.resize(R * span);
+  w.keys.resize(span);
+  w.vals.resize(span);
+  for (int64_t j = ka; j <= kb; ++j) {
+    const int64_t slot = (int64_t)table[j / c.bs] * c.bs + j % c.bs;
+    w.keys[j - jlo] = c.kp + (slot * c.KVH + kvh) * D;
+    w.vals[j - jlo] = c.vp + (slot * c.KVH + kvh) * D;
+  }
+  auto qrow = [&](int64_t x) { return c.qp + ((t0 + x / sub) * c.H + hbase + x % sub) * D; };
+  // Scores: each row against only its own keys, 8 keys at a time (score8); keys in chunks of
+  // kChunk, so a chunk stays in L1 while every row of the item reads it.
+  for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
+    const int64_t c1 = std::min(span, c0 + kChunk);
+    for (int64_t x = 0; x < R; ++x) {
+      const int64_t r = x / sub;
+      const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
+      float* sr = w.scores.data() + x * span;
+      if (c.wide)
+        score_row_512(qrow(x), w.keys.data(), a0, z, D, c.scale, sr);
+      else
+        score_row(qrow(x), w.keys.data(), a0, z, D, c.scale, sr);
+    }
+  }
+  // Per query row: max, p = exp(s - max) in place (8 lanes from its first key, then a fixed
+  // horizontal order and the tail), sum.
+  for (int64_t x = 0; x < R; ++x) {
+    const int64_t r = x / sub;
+    float* sr = w.scores.data() + x * span;
+    const int64_t a0 = lo[r] - jlo, z = hi[r] - jlo + 1;
+    if (z <= a0) {  // no key of this row in [ka, kb]
+      m[x] = -INFINITY;
+      l[x] = 0.0f;
+      continue;
+    }
+    const float mx = max_of(sr, a0, z);
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 sv = _mm256_setzero_ps();
+    int64_t j = a0;
+    for (; j + 8 <= z; j += 8) {
+      const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
+      _mm256_storeu_ps(sr + j, p);
+      sv = _mm256_add_ps(sv, p);
+    }
+    float sum = hsum8(sv);
+    for (; j < z; ++j) {
+      sr[j] = _mm256_cvtss_f32(exp256(_mm256_set1_ps(sr[j] - mx)));
+      sum = sum + sr[j];
+    }
+    m[x] = mx;
+    l[x] = sum;
+  }
+  // Weighted values: per row, its accumulators in registers, its keys in order; value rows in
+  // chunks as above (a row's accumulators go to memory between chunks: same numbers).
+  const int64_t nv = D / 8;
+  for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
+    const int64_t c1 = std::min(span, c0 + kChunk);
+    if (c.wide) {
+      for (int64_t r = 0; r < nt; ++r) {
+        const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
+        if (z <= a0 && c0 > 0) continue;
+        for (int64_t h0 = 0; h0 < sub; h0 += 4) {
+          const int g = static_cast<int>(std::min<int64_t>(4, sub - h0));
+          const float* p4[4];
+          float* a4[4];
+          for (int u = 0; u < g; ++u) {
+            p4[u] = w.scores.data() + (r * sub + h0 + u) * span;
+            a4[u] = acc + (r * sub + h0 + u) * D;
+          }
+          weigh_heads_512(g, p4, w.vals.data(), a0, z, D / 16, a4, c0 > 0);
+        }
+      }
+      continue;
+    }
+    for (int64_t x = 0; x < R; ++x) {
+      const int64_t r = x / sub;
+      const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
+      if (z <= a0 && c0 > 0) continue;
+      weigh_values(w.scores.data() + x * span, w.vals.data(), a0, z, nv, acc + x * D, c0 > 0);
+    }
+  }
+}
+
+// Row state (m, l, acc) folded with a later segment's (ms, ls, as), segments in key order: the
+// same float ops wherever and in whatever call the segments were computed. An empty segment
+// (ms = -inf) is skipped; an empty state takes the segment as it is.
+inline void fold(float& m, float& l, float* acc, float ms, float ls, const float* as,
+                 int64_t D) {
+  if (ms == -INFINITY) return;
+  if (m == -INFINITY) {
+    m = ms;
+    l = ls;
+    std::copy(as, as + D, acc);
+    return;
+  }
+  const float mn = std::max(m, ms);
+  const float a = exp1(m - mn), b = exp1(ms - mn);
+  l = l * a + ls * b;
+  const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
+  for (int64_t i = 0; i < D; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(acc + i), av),
+                                            _mm256_mul_ps(_mm256_loadu_ps(as + i), bv)));
+  m = mn;
+}
+
 // paged_attention with cache elements T: float (float32 caches) or uint16_t (float16 ones).
+// seg_len 0: each row's keys in one run. seg_len > 0: keys in segments [s * seg_len, (s + 1) *
+// seg_len) by absolute position, each segment's (max, sum, weighted values) folded in order
+// (fold). Both give a row the same bits in any call; segments let a lone sequence's few KV heads
+// spread over every thread (a decode step of 3 KV heads on 2 threads ran 2:1), because a call
+// with few work items computes its segments as separate items and folds them afterwards, while
+// a call with many (prefill, large batches) folds each item's segments as it goes, with no
+// buffer.
 template <typename T>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_of,
                   const at::Tensor& pos_of, double scale, int64_t window, bool wide,
-                  int64_t tile) {
+                  int64_t tile, int64_t seg_len) {
   const int64_t num_rows = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), maxb = block_tables.size(1);
-  const int64_t group = H / KVH;
+  const AttendCall<T> c{q.data_ptr<float>(),
+                        reinterpret_cast<const T*>(k_cache.data_ptr()),
+                        reinterpret_cast<const T*>(v_cache.data_ptr()),
+                        block_tables.data_ptr<int32_t>(),
+                        seq_of.data_ptr<int64_t>(),
+                        pos_of.data_ptr<int64_t>(),
+                        H, k_cache.size(2), D, k_cache.size(1), block_tables.size(1),
+                        H / k_cache.size(2), window, (float)scale, wide};
+  const int64_t KVH = c.KVH, group = c.group;
+  const int64_t* sq = c.sq;
+  const int64_t* ps = c.ps;
   at::Tensor out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
-  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
-  const int32_t* bt = block_tables.data_ptr<int32_t>();
-  const int64_t *sq = seq_of.data_ptr<int64_t>(), *ps = pos_of.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const float sc = (float)scale;
   // Tiles: runs of consecutive positions of one sequence, cut into near-equal tiles of at most
   // ``tile`` rows. One work item = one tile x all query heads of one KV head, so each key and value
   // row is read once for the group's heads (reading them per head was memory-bound, even at a
@@ -434,107 +591,120 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
   const int64_t n_tiles = (int64_t)tile_start.size();
   tile_start.push_back(num_rows);
-  const int64_t sub = group;
+  // A tile's keys [first row's lo, last row's hi] in segments: segment s of tile i is
+  // [max(jlo, (seg0 + s) * seg_len), min(jhi, (seg0 + s + 1) * seg_len - 1)].
+  std::vector<int64_t> seg0(n_tiles), nseg(n_tiles);
+  for (int64_t i = 0; i < n_tiles; ++i) {
+    const int64_t jlo = c.lo(tile_start[i]), jhi = ps[tile_start[i + 1] - 1];
+    seg0[i] = seg_len > 0 ? jlo / seg_len : 0;
+    nseg[i] = seg_len > 0 ? jhi / seg_len - seg0[i] + 1 : 1;
+  }
+  auto seg_range = [&](int64_t i, int64_t s) {
+    const int64_t jlo = c.lo(tile_start[i]), jhi = ps[tile_start[i + 1] - 1];
+    if (seg_len == 0) return std::make_pair(jlo, jhi);
+    return std::make_pair(std::max(jlo, (seg0[i] + s) * seg_len),
+                          std::min(jhi, (seg0[i] + s + 1) * seg_len - 1));
+  };
+  // out row x of tile i, KV head kvh <- acc / l
+  auto store = [&](int64_t i, int64_t kvh, const float* l, const float* acc) {
+    const int64_t t0 = tile_start[i], R = (tile_start[i + 1] - t0) * group;
+    for (int64_t x = 0; x < R; ++x) {
+      const __m256 inv = _mm256_set1_ps(l[x]);
+      float* o = op + ((t0 + x / group) * H + kvh * group + x % group) * D;
+      const float* ax = acc + x * D;
+      for (int64_t v = 0; v < D; v += 8)
+        _mm256_storeu_ps(o + v, _mm256_div_ps(_mm256_loadu_ps(ax + v), inv));
+    }
+  };
+  int64_t total_segs = 0;
+  for (int64_t i = 0; i < n_tiles; ++i) total_segs += nseg[i];
+  if (seg_len == 0 || total_segs == n_tiles || n_tiles * KVH >= 4 * threads) {
+    // Each item folds its own segments as it goes.
+    at::parallel_for(0, n_tiles * KVH, 1, [&](int64_t b, int64_t e) {
+      AttendScratch<T> w;
+      std::vector<float> m, l, acc, ms, ls, as;
+      for (int64_t item = b; item < e; ++item) {
+        const int64_t i = item / KVH, kvh = item % KVH;
+        const int64_t t0 = tile_start[i], nt = tile_start[i + 1] - t0, R = nt * group;
+        m.resize(R);
+        l.resize(R);
+        acc.resize(R * D);
+        const auto [ka, kb] = seg_range(i, 0);
+        attend_keys(c, t0, nt, kvh, ka, kb, w, m.data(), l.data(), acc.data());
+        if (nseg[i] > 1) {
+          ms.resize(R);
+          ls.resize(R);
+          as.resize(R * D);
+        }
+        for (int64_t s = 1; s < nseg[i]; ++s) {
+          const auto [sa, sb] = seg_range(i, s);
+          attend_keys(c, t0, nt, kvh, sa, sb, w, ms.data(), ls.data(), as.data());
+          for (int64_t x = 0; x < R; ++x)
+            fold(m[x], l[x], acc.data() + x * D, ms[x], ls[x], as.data() + x * D, D);
+        }
+        store(i, kvh, l.data(), acc.data());
+      }
+    });
+    return out;
+  }
+  // Few items: every (tile, segment, KV head) is an item of its own, into a buffer; then each
+  // (tile, KV head) folds its segments in order. Per item: m [R], l [R], acc [R, D].
+  std::vector<int64_t> first(n_tiles + 1, 0);  // first segment item of tile i
+  for (int64_t i = 0; i < n_tiles; ++i) first[i + 1] = first[i] + nseg[i];
+  std::vector<int64_t> tile_of(first[n_tiles]), offset(first[n_tiles] + 1, 0);
+  for (int64_t i = 0; i < n_tiles; ++i)
+    for (int64_t s = 0; s < nseg[i]; ++s) {
+      const int64_t gs = first[i] + s;
+      tile_of[gs] = i;
+      offset[gs + 1] = offset[gs] + KVH * (tile_start[i + 1] - tile_start[i]) * group * (D + 2);
+    }
+  std::unique_ptr<float[]> buf(new float[offset[first[n_tiles]]]);  // every float written first
+  auto part = [&](int64_t gs, int64_t kvh) {
+    const int64_t i = tile_of[gs], R = (tile_start[i + 1] - tile_start[i]) * group;
+    return buf.get() + offset[gs] + kvh * R * (D + 2);
+  };
+  // Items of very different sizes (a full segment and a tail, a 16-row tile and a 1-row one):
+  // longest first, each to the least loaded thread, instead of parallel_for's contiguous
+  // ranges (which gave one thread every full segment of a decode row).
+  const int64_t n_items = first[n_tiles] * KVH;
+  std::vector<int64_t> order(n_items), cost(n_items);
+  for (int64_t item = 0; item < n_items; ++item) {
+    const int64_t gs = item / KVH, i = tile_of[gs];
+    const auto [ka, kb] = seg_range(i, gs - first[i]);
+    cost[item] = (tile_start[i + 1] - tile_start[i]) * (kb - ka + 1);
+    order[item] = item;
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::vector<std::vector<int64_t>> mine(threads);
+  std::vector<int64_t> load(threads, 0);
+  for (int64_t item : order) {
+    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    mine[t].push_back(item);
+    load[t] += cost[item];
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    AttendScratch<T> w;
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t item : mine[t]) {
+        const int64_t gs = item / KVH, kvh = item % KVH, i = tile_of[gs];
+        const int64_t t0 = tile_start[i], nt = tile_start[i + 1] - t0, R = nt * group;
+        float* p = part(gs, kvh);
+        const auto [ka, kb] = seg_range(i, gs - first[i]);
+        attend_keys(c, t0, nt, kvh, ka, kb, w, p, p + R, p + 2 * R);
+      }
+  });
   at::parallel_for(0, n_tiles * KVH, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> scores;
-    std::vector<const T*> keys, vals;
-    std::vector<float> acc;
     for (int64_t item = b; item < e; ++item) {
-      const int64_t tile = item / KVH, kvh = item % KVH;
-      const int64_t hbase = kvh * group;  // first query head of this item
-      const int64_t t0 = tile_start[tile], nt = tile_start[tile + 1] - t0;
-      const int64_t R = nt * sub;  // query rows of this item: (position x / sub, head x % sub)
-      const int32_t* table = bt + sq[t0] * maxb;
-      int64_t lo[kMaxTile], hi[kMaxTile];
-      for (int64_t r = 0; r < nt; ++r) {
-        hi[r] = ps[t0 + r];
-        lo[r] = window > 0 ? std::max<int64_t>(0, hi[r] - window + 1) : 0;
+      const int64_t i = item / KVH, kvh = item % KVH;
+      const int64_t R = (tile_start[i + 1] - tile_start[i]) * group;
+      float* p0 = part(first[i], kvh);  // segment 0 becomes the state
+      for (int64_t s = 1; s < nseg[i]; ++s) {
+        const float* p = part(first[i] + s, kvh);
+        for (int64_t x = 0; x < R; ++x)
+          fold(p0[x], p0[R + x], p0 + 2 * R + x * D, p[x], p[R + x], p + 2 * R + x * D, D);
       }
-      const int64_t jlo = lo[0], jhi = hi[nt - 1], span = jhi - jlo + 1;
-      scores.resize(R * span);
-      keys.resize(span);
-      vals.resize(span);
-      acc.resize(R * D);
-      for (int64_t j = jlo; j <= jhi; ++j) {
-        const int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
-        keys[j - jlo] = kp + (slot * KVH + kvh) * D;
-        vals[j - jlo] = vp + (slot * KVH + kvh) * D;
-      }
-      auto qrow = [&](int64_t x) {  // query row x of this item -> its q vector
-        return qp + ((t0 + x / sub) * H + hbase + x % sub) * D;
-      };
-      // Scores: each row against only its own keys [lo, hi], 8 keys at a time (score8); keys in
-      // chunks of kChunk, so a chunk stays in L1 while every row of the item reads it.
-      for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
-        const int64_t c1 = std::min(span, c0 + kChunk);
-        for (int64_t x = 0; x < R; ++x) {
-          const int64_t r = x / sub;
-          const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
-          float* sr = scores.data() + x * span;
-          if (wide)
-            score_row_512(qrow(x), keys.data(), a0, z, D, sc, sr);
-          else
-            score_row(qrow(x), keys.data(), a0, z, D, sc, sr);
-        }
-      }
-      // Per query row: max, p = exp(s - max) in place (8 lanes from its first key, then a fixed
-      // horizontal order and the tail), sum.
-      float sums[kMaxTile * 32];
-      for (int64_t x = 0; x < R; ++x) {
-        const int64_t r = x / sub;
-        float* sr = scores.data() + x * span;
-        const int64_t a0 = lo[r] - jlo, z = hi[r] - jlo + 1;
-        const float m = max_of(sr, a0, z);
-        const __m256 mv = _mm256_set1_ps(m);
-        __m256 sv = _mm256_setzero_ps();
-        int64_t j = a0;
-        for (; j + 8 <= z; j += 8) {
-          const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
-          _mm256_storeu_ps(sr + j, p);
-          sv = _mm256_add_ps(sv, p);
-        }
-        float sum = hsum8(sv);
-        for (; j < z; ++j) {
-          sr[j] = _mm256_cvtss_f32(exp256(_mm256_set1_ps(sr[j] - m)));
-          sum = sum + sr[j];
-        }
-        sums[x] = sum;
-      }
-      // Weighted values: per row, its accumulators in registers, its keys in order; value rows
-      // in chunks as above (a row's accumulators go to memory between chunks: same numbers).
-      const int64_t nv = D / 8;
-      for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
-        const int64_t c1 = std::min(span, c0 + kChunk);
-        if (wide) {
-          for (int64_t r = 0; r < nt; ++r) {
-            const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
-            for (int64_t h0 = 0; h0 < sub; h0 += 4) {
-              const int g = static_cast<int>(std::min<int64_t>(4, sub - h0));
-              const float* p4[4];
-              float* a4[4];
-              for (int u = 0; u < g; ++u) {
-                p4[u] = scores.data() + (r * sub + h0 + u) * span;
-                a4[u] = acc.data() + (r * sub + h0 + u) * D;
-              }
-              weigh_heads_512(g, p4, vals.data(), a0, z, D / 16, a4, c0 > 0);
-            }
-          }
-          continue;
-        }
-        for (int64_t x = 0; x < R; ++x) {
-          const int64_t r = x / sub;
-          const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
-          weigh_values(scores.data() + x * span, vals.data(), a0, z, nv, acc.data() + x * D,
-                       c0 > 0);
-        }
-      }
-      for (int64_t x = 0; x < R; ++x) {
-        const __m256 inv = _mm256_set1_ps(sums[x]);
-        float* o = op + ((t0 + x / sub) * H + hbase + x % sub) * D;
-        const float* ax = acc.data() + x * D;
-        for (int64_t i = 0; i < nv; ++i)
-          _mm256_storeu_ps(o + 8 * i, _mm256_div_ps(_mm256_loadu_ps(ax + 8 * i), inv));
-      }
+      store(i, kvh, p0 + R, p0 + 2 * R);
     }
   });
   return out;
@@ -557,15 +727,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
               "most 256, and at most 32 query heads per KV head (got ", D, ", ", group,
               "); use --attention-backend torch");
   TORCH_CHECK(attention_form_supported(form, D), "attention form ", form, " does not run here ",
-              "(64 * isa + tile, tile 1..", kMaxTile, "; isa 0 AVX2, 1 AVX-512F with head_dim a ",
-              "multiple of 16, got ", D, ")");
-  const bool wide = form / 64 == 1;
-  const int64_t tile = form % 64;
+              "(1024 * seg + 64 * isa + tile, tile 1..", kMaxTile, ", seg 0..", kMaxSeg,
+              "; isa 0 AVX2, 1 AVX-512F with head_dim a multiple of 16, got ", D, ")");
+  const bool wide = form % 1024 / 64 == 1;
+  const int64_t tile = form % 64, seg = form / 1024;
+  const int64_t seg_len = seg > 0 ? int64_t{64} << seg : 0;
   if (k_cache.scalar_type() == at::kHalf)
     return attend<uint16_t>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window,
-                            wide, tile);
+                            wide, tile, seg_len);
   return attend<float>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window, wide,
-                       tile);
+                       tile, seg_len);
 }
 
 
@@ -696,5 +867,6 @@ void register_fused(pybind11::module& mod) {
   mod.def("paged_attention", &paged_attention);
   mod.def("write_kv", &write_kv);
   mod.def("attention_form_supported", &attention_form_supported,
-          "True when paged_attention's form (64 * isa + tile) runs here for head_dim D");
+          "True when paged_attention's form (1024 * seg + 64 * isa + tile) runs here for "
+          "head_dim D");
 }
