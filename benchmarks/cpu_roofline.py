@@ -144,7 +144,7 @@ def main() -> int:
     macs = sum(m.in_features * m.out_features for m in mods)  # per row
     weight_bytes = sum(m.qs.numel() + 2 * (m.d.numel() + (m.m.numel() if m.m is not None else 0))
                        for m in mods)
-    fma, lanes = ("fma512", 16) if form // 64 == 1 else ("fma256", 8)
+    fma, lanes = ("fma512", 16) if form % 1024 // 64 == 1 else ("fma256", 8)
 
     lines = ["| part | rows | context | measured ms | instruction bound ms | memory bound ms | "
              "measured / bound |", "|---|---|---|---|---|---|---|"]

@@ -121,9 +121,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     @property
     def default_speculative_method(self) -> str:
-        if self.speculative_method is not None:
-            return self.speculative_method
-        return "draft" if self.draft_model not in (None, "none") else "off"
+        """The method of requests that name none. Unset: ``auto`` (suffix decoding, or the
+        draft model when one is loaded and pays more; nothing when neither pays), which measured
+        at least as fast as every single method on every workload of benchmarks/RESULTS.md
+        ("Session 10"). An EAGLE head folder as the draft sets it to ``eagle`` at load."""
+        return self.speculative_method if self.speculative_method is not None else "auto"
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

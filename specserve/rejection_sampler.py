@@ -38,11 +38,17 @@ from norm(max(0, p[1] - q[1])), t from p[3] and bonus from p[7]. The engine keep
 verify inputs up to and including the last accepted draft; the emitted last token (r, t, bonus)
 has no KV yet and is fed at the next step.
 
-Randomness: a row with a generator (a seeded request) draws only from it, in a fixed order:
-``torch.rand(k_b)`` (one uniform per draft, all k_b drawn even if an early one rejects) and then
-one ``torch.multinomial`` draw; so its tokens do not depend on what else is in the batch. Rows
-without one share ``default_generator``: one ``torch.rand`` for all their drafts, then one batched
-``torch.multinomial``.
+Randomness: rows without a generator share ``default_generator``: one ``torch.rand`` for all
+their drafts, then one batched ``torch.multinomial``. A row with a generator (a seeded request)
+is verified by sampling instead: position j draws t_j from p_j with one ``torch.multinomial``
+call on the row's generator, the call ``specserve.sampling.sample`` makes for that output
+index, and the draft d_j is accepted iff t_j == d_j; the row stops at the first mismatch and
+emits t_j there (or the bonus t_k). So a seeded request emits exactly the tokens plain decoding
+with that seed emits, whatever the drafts, their lengths or the batch (each emitted token costs
+one draw, as in plain decoding). Each emitted token still follows p. A deterministic draft
+(n-gram, suffix) is accepted with probability p(d_j), as under the test above; a sampled
+draft with sum_x q(x) p(x) instead of sum_x min(p(x), q(x)), a little less often: the price
+of reproducible seeded output.
 
 min_tokens: position j of a row is output index num_output_tokens + j; while that index is below
 ``params.min_tokens`` the banned ids (EOS, stop ids) are masked at that position, for greedy and
@@ -259,7 +265,20 @@ def _sample_rows(
             # An all-zero residual (p == q up to rounding) falls back to p.
             use = rejected & (residual.sum(dim=-1) > 0)
             dist = torch.where(use[:, None], residual, dist)
-    return num_accepted, _draw(dist, rows, sampled, default_generator)
+    tokens = _draw(dist, rows, sampled, default_generator)
+    for i, b in enumerate(sampled):  # seeded rows: sample each position, keep matching drafts
+        gen = rows[b].request.generator
+        if gen is None:
+            continue
+        acc = 0
+        while True:
+            p = probs[p_slot[i, acc]]
+            t = int(torch.multinomial(p.to(gen.device), 1, generator=gen)[0])
+            if acc == ks[b] or t != int(drafts[b, acc]):
+                break
+            acc += 1
+        num_accepted[i], tokens[i] = acc, t
+    return num_accepted, tokens
 
 
 def _uniforms(
@@ -269,8 +288,8 @@ def _uniforms(
     valid: torch.Tensor,  # [S, K]
     default_generator: torch.Generator | None,
 ) -> torch.Tensor:  # [S, K] U[0, 1), 0 in the padding
-    """One uniform per draft: seeded rows from their own generator (one call each), the rest
-    from default_generator (one call for all of them)."""
+    """One uniform per draft of the rows without a generator, from default_generator (one call
+    for all of them); seeded rows are verified by sampling (see the module docstring)."""
     device = valid.device
     u = torch.zeros(valid.shape, device=device)
     shared = [i for i, b in enumerate(sampled) if rows[b].request.generator is None]
@@ -280,10 +299,6 @@ def _uniforms(
         n = int(valid[idx].sum())
         block[valid[idx]] = _rand(n, default_generator, device)
         u[idx] = block
-    for i, b in enumerate(sampled):
-        gen, k = rows[b].request.generator, ks[b]
-        if gen is not None and k:
-            u[i, :k] = _rand(k, gen, device)
     return u
 
 
@@ -298,18 +313,14 @@ def _draw(
     sampled: list[int],
     default_generator: torch.Generator | None,
 ) -> torch.Tensor:  # [S]
-    """One categorical draw per row, the same calls ``specserve.sampling.sample`` makes. Draws
-    happen on the generator's device (the engine's generators are CPU ones)."""
+    """One categorical draw per row without a generator, the call ``specserve.sampling.sample``
+    makes (seeded rows draw in ``_sample_rows``). Draws happen on the generator's device."""
     out = torch.zeros(len(sampled), dtype=torch.long, device=dist.device)
     shared = [i for i, b in enumerate(sampled) if rows[b].request.generator is None]
     if shared:
         where = default_generator.device if default_generator is not None else dist.device
         draws = torch.multinomial(dist[shared].to(where), 1, generator=default_generator)
         out[shared] = draws[:, 0].to(dist.device)
-    for i, b in enumerate(sampled):
-        gen = rows[b].request.generator
-        if gen is not None:
-            out[i] = torch.multinomial(dist[i].to(gen.device), 1, generator=gen)[0]
     return out
 
 

@@ -248,20 +248,22 @@ class Speculator:
         options: list[tuple[float, str, int]] = []
         cost = self.policy.target_cost
         cheap = self.proposers.get(_AUTO_CHEAP)
+        models = [name for name, p in self.proposers.items() if p.uses_model]
         if cheap is not None:
             n = len(self._cheap_draft(cheap, seq, k_max))
+            if not models:  # nothing to weigh it against: the batch policy cuts it
+                return _AUTO_CHEAP, n
             expected = self._expected(seq, _AUTO_CHEAP, n)
             host = self.policy.proposer_seconds(_AUTO_CHEAP)
             # priced at its best cut (the policy may shorten it), not at its whole length
             value = max(expected[j] / (max(cost(1 + j), cost(1)) + host)
                         for j in range(len(expected)))
             options.append((value, _AUTO_CHEAP, n))
-        for name, p in self.proposers.items():
-            if p.uses_model:
-                k = min(k_max, self.config.num_speculative_tokens)
-                rate = self.policy.acceptance_rate(seq.seq_id, name)
-                seconds = max(cost(1 + k), cost(1)) + k * self.policy.draft_cost(1)
-                options.append((expected_tokens(rate, k) / seconds, name, k))
+        for name in models:
+            k = min(k_max, self.config.num_speculative_tokens)
+            rate = self.policy.acceptance_rate(seq.seq_id, name)
+            seconds = max(cost(1 + k), cost(1)) + k * self.policy.draft_cost(1)
+            options.append((expected_tokens(rate, k) / seconds, name, k))
         if not options:
             return OFF, 0
         _, name, k = max(options, key=lambda o: o[0])

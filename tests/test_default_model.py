@@ -68,13 +68,14 @@ def test_greedy_matches_transformers_on_default_model(engine, hf_model):
 
 
 def test_shipped_draft_is_the_default_and_output_stays_exact(engine, hf_model):
-    """With no flags the built-in model speculates with the shipped distilled draft; greedy
-    output is still transformers' token for token, and the draft earns acceptances."""
+    """With no flags the built-in model loads the shipped distilled draft and speculates with
+    auto (suffix decoding or that draft); greedy output with the draft is still transformers'
+    token for token, and the draft earns acceptances."""
     from specserve.models import DEFAULT_DRAFT_DIR
     from specserve.sampling_params import SpeculativeParams
 
     assert engine.config.draft_model == str(DEFAULT_DRAFT_DIR)
-    assert engine.config.default_speculative_method == "draft"
+    assert engine.config.default_speculative_method == "auto"
     fixed = LLMEngine(EngineConfig(dtype="float32", quantization="none",
                                    kv_cache_memory=256 << 20, max_model_len=2048,
                                    adaptive_speculation=False))
@@ -90,7 +91,7 @@ def test_shipped_draft_is_the_default_and_output_stays_exact(engine, hf_model):
     off = LLMEngine(EngineConfig(dtype="float32", quantization="none",
                                  kv_cache_memory=256 << 20, max_model_len=2048,
                                  draft_model="none"))
-    assert off.config.draft_model is None and off.config.default_speculative_method == "off"
+    assert off.config.draft_model is None and off.config.default_speculative_method == "auto"
 
 
 def test_stop_string_cuts_text_exactly(engine):

@@ -52,8 +52,9 @@ def test_merger_folds_deltas_in_order():
 
 
 def test_each_step_emits_only_what_is_new(long_model):
-    """Per-step outputs are deltas (at most k + 1 tokens), and they add up to generate()."""
-    engine = LLMEngine(_cfg(long_model))
+    """Per-step outputs are deltas (one token a step without speculation), and they add up to
+    generate()."""
+    engine = LLMEngine(_cfg(long_model, speculative_method="off"))
     prompt = prompts([20], seed=3)[0]
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=1)
     (whole,) = engine.generate([prompt], params)

@@ -45,9 +45,13 @@ def repetitive_prompts(seed=0):
 
 
 def make(path, **kw) -> LLMEngine:
+    """A test engine; with a draft model and no method named, requests speculate with the
+    draft (these tests are about it; the server's default is auto)."""
     cfg = dict(model=path, dtype="float32", block_size=4, num_kv_blocks=400,
                adaptive_speculation=False, num_speculative_tokens=4)
     cfg.update(kw)
+    if cfg.get("draft_model") not in (None, "none") and "speculative_method" not in cfg:
+        cfg["speculative_method"] = "draft"
     return LLMEngine(EngineConfig(**cfg))
 
 
@@ -144,10 +148,11 @@ def exact_second_token_distribution(hf, prompt, temperature):
     return first @ second
 
 
-def second_token_counts(models, method: str, rounds: int):
+def second_token_counts(models, method: str, rounds: int, seeded: bool = False):
     """Samples (prompt -> 3 tokens) 250 x rounds times with k = 1 speculation; returns the
     counts of the second token (the one a verify step produces), the exact float64 target
-    marginal of that token, and how many drafts were verified."""
+    marginal of that token, and how many drafts were verified. ``seeded``: every request has
+    its own seed (verified by sampling, not by the accept test)."""
     target, other, hf = models
     temperature = 1.5  # flatten the tiny model's distribution so many tokens occur
     # Every token id occurs in the prompt, so prompt lookup always has a match to propose.
@@ -159,8 +164,10 @@ def second_token_counts(models, method: str, rounds: int):
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
     counts = torch.zeros_like(expected)
     drafted = 0
-    for _ in range(rounds):
-        for o in engine.generate([prompt] * 250, params, SpeculativeParams(method, 1)):
+    for r in range(rounds):
+        per = [SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True,
+                              seed=1000 * r + i) for i in range(250)] if seeded else params
+        for o in engine.generate([prompt] * 250, per, SpeculativeParams(method, 1)):
             counts[o.token_ids[1]] += 1
             drafted += o.timings.num_drafted
     return counts, expected, drafted
@@ -174,6 +181,35 @@ def test_sampled_distribution_equals_target(models, method):
     assert drafted > counts.sum() / 2  # most second tokens really went through verification
     chi2, bound = chi_square(counts, expected)
     assert chi2 < bound, (chi2, bound)
+
+
+@pytest.mark.parametrize("method", ["draft", "suffix"])
+def test_seeded_sampled_distribution_equals_target(models, method):
+    """The same with a seed per request: seeded rows are verified by sampling each position
+    (rejection_sampler.py), and their second tokens still follow the target's marginal."""
+    counts, expected, drafted = second_token_counts(models, method, rounds=12, seeded=True)
+    assert drafted > counts.sum() / 2
+    chi2, bound = chi_square(counts, expected)
+    assert chi2 < bound, (chi2, bound)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "auto"])
+def test_seeded_sampling_emits_plain_decodings_tokens(models, method):
+    """A seeded sampled request emits exactly what plain decoding emits with that seed: with
+    any proposer, alone or beside other requests (whose drafts change the step's k choices),
+    while drafts are still accepted."""
+    target, _, _ = models
+    engine = make(target, draft_model=target)  # a draft that is the target: drafts often match
+    ps = repetitive_prompts(2)[:3]
+    seeded = [SamplingParams(max_tokens=24, temperature=0.3, top_p=0.95, seed=7 + i,
+                             ignore_eos=True) for i in range(len(ps))]
+    plain = [o.token_ids for o in engine.generate(ps, seeded, SpeculativeParams("off"))]
+    alone = [engine.generate([p], [sp], SpeculativeParams(method))[0] for p, sp in zip(ps, seeded)]
+    busy = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    together = engine.generate(ps + ps, seeded + [busy] * len(ps), SpeculativeParams(method))
+    assert [o.token_ids for o in alone] == plain
+    assert [o.token_ids for o in together[:len(ps)]] == plain
+    assert sum(o.timings.num_accepted for o in alone + together[:len(ps)]) > 0
 
 
 def chi_square(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
