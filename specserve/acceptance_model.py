@@ -11,7 +11,9 @@ acceptance better than the per-sequence rate (log loss 0.40 vs 0.43), and better
 sequence's own rate as a shift in log-odds (0.38); priced by the step costs of this machine, the
 drafts cut by it gave 2-10% more tokens per unit of step time on the four workloads.
 
-So: bins of (match length, conditional probability, position) per method, counts of accepted /
+So: bins of (match length, conditional probability, position) per method (the speculator
+keeps sampled requests' outcomes under a method of their own: a sample matches a draft less
+often than an argmax), counts of accepted /
 examined draft tokens (decayed, so the table follows the traffic), each bin pulled toward the
 method's global rate by a prior. A sequence's rate against the method's shifts every hazard of
 its drafts by half its log-odds ratio. Only examined tokens count: a draft is examined up to its

@@ -55,6 +55,12 @@ _EAGLE = "eagle"  # the proposer that reads the target's hidden states
 _MAX_IDLE = 16  # most steps a sequence kept at k = 0 skips its proposer before trying again
 
 
+def _stats_key(seq: Sequence, method: str) -> str:
+    """The name acceptance is tracked under: sampled requests apart from greedy ones (a sample
+    matches a draft less often than an argmax, so one rate for both misprices each)."""
+    return method if seq.params.greedy else f"{method}:sampled"
+
+
 @dataclass
 class Drafts:
     """Draft tokens of one step, per sequence id, and the draft probabilities of the model
@@ -192,10 +198,11 @@ class Speculator:
                 # up in budget-sized chunks beside the next steps' work instead (draft_prefill).
                 self._catch_up.add(seq.seq_id)
                 continue
-            rate = self.policy.acceptance_rate(seq.seq_id, method)
+            rate = self.policy.acceptance_rate(seq.seq_id, _stats_key(seq, method))
             uses_model = self.proposers[method].uses_model
             host = 0.0 if uses_model else self.policy.proposer_seconds(method)
-            candidates.append(Candidate(seq.seq_id, k_max, rate, uses_model, host, method,
+            candidates.append(Candidate(seq.seq_id, k_max, rate, uses_model, host,
+                                        _stats_key(seq, method),
                                         self._expected(seq, method, k_max)))
         self._early_seconds = time.perf_counter() - t0
         if not candidates:
@@ -232,8 +239,8 @@ class Speculator:
             return ()
         key = (seq.seq_id, method, k)  # auto prices the draft, then the policy does again
         if key not in self._expected_memo:
-            self._expected_memo[key] = self.policy.expected_by_k(seq.seq_id, method,
-                                                                 hinted[1], k)
+            self._expected_memo[key] = self.policy.expected_by_k(
+                seq.seq_id, _stats_key(seq, method), hinted[1], k)
         return self._expected_memo[key]
 
     def _pick(self, seq: Sequence, k_max: int) -> tuple[str, int]:
@@ -261,7 +268,7 @@ class Speculator:
             options.append((value, _AUTO_CHEAP, n))
         for name in models:
             k = min(k_max, self.config.num_speculative_tokens)
-            rate = self.policy.acceptance_rate(seq.seq_id, name)
+            rate = self.policy.acceptance_rate(seq.seq_id, _stats_key(seq, name))
             seconds = max(cost(1 + k), cost(1)) + k * self.policy.draft_cost(1)
             options.append((expected_tokens(rate, k) / seconds, name, k))
         if not options:
@@ -385,11 +392,11 @@ class Speculator:
     ) -> None:
         seq = s.seq
         if drafts:
-            self.policy.record_acceptance(seq.seq_id, seq.spec_step_method, len(drafts),
-                                          accepted)
+            key = _stats_key(seq, seq.spec_step_method)
+            self.policy.record_acceptance(seq.seq_id, key, len(drafts), accepted)
             hinted = self._hints.get(seq.seq_id)
             if hinted is not None and hinted[0] == seq.spec_step_method:
-                self.policy.record_draft(hinted[0], hinted[1], len(drafts), accepted)
+                self.policy.record_draft(key, hinted[1], len(drafts), accepted)
         kv = self._kv_after.get(seq.seq_id)
         if kv is not None:  # the proposer's KV holds only the positions the target kept
             seq.draft_num_computed = min(kv, seq.num_tokens - 1)

@@ -12,6 +12,7 @@ from specserve.acceptance_model import AcceptanceModel, DraftHints, expected_by_
 from specserve.draft.base import ProposalRequest
 from specserve.draft.ngram import NgramProposer, find_ngram_match
 from specserve.draft.suffix import SuffixProposer
+from specserve.sampling_params import SamplingParams
 from specserve.spec_policy import Candidate
 from tests.test_spec_decode import check_greedy, make, models
 from tests.test_spec_policy import policy_with_step_cost
@@ -128,3 +129,20 @@ def test_the_engine_learns_hazards_from_verified_drafts(models):
     examined = sum(b.examined for key, b in bins.items() if key[0] == "suffix")
     assert drafted > 0
     assert 0.9 * accepted <= examined <= drafted
+
+
+def test_sampled_requests_keep_their_own_acceptance(models):
+    """Greedy and sampled requests over the same repetitive prompts: the speculator tracks their
+    acceptance under separate names (a sample matches a draft less often than an argmax), and
+    both kinds' verified draft tokens reach their own hazard bins."""
+    target, _, hf = models
+    engine = make(target, speculative_method="suffix", adaptive_speculation=True,
+                  suffix_speculative_tokens=8)
+    prompts = [copy_prompt(4), copy_prompt(5)]
+    check_greedy(engine, hf, prompts)
+    engine.generate(prompts, SamplingParams(max_tokens=24, temperature=1.5, ignore_eos=True))
+    policy = engine.speculator.policy
+    assert {"suffix", "suffix:sampled"} <= set(policy.global_stats)
+    methods = {key[0] for key in policy.acceptance.bins}
+    assert {"suffix", "suffix:sampled"} <= methods
+    assert policy.method_rate("suffix:sampled") < policy.method_rate("suffix")
