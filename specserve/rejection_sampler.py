@@ -39,11 +39,11 @@ verify inputs up to and including the last accepted draft; the emitted last toke
 has no KV yet and is fed at the next step.
 
 Randomness: rows without a generator share ``default_generator``: one ``torch.rand`` for all
-their drafts, then one batched ``torch.multinomial``. A row with a generator (a seeded request)
-is verified by sampling instead: position j draws t_j from p_j with one ``torch.multinomial``
-call on the row's generator, the call ``specserve.sampling.sample`` makes for that output
-index, and the draft d_j is accepted iff t_j == d_j; the row stops at the first mismatch and
-emits t_j there (or the bonus t_k). So a seeded request emits exactly the tokens plain decoding
+their drafts, then one batched ``specserve.sampling.draw``. A row with a generator (a seeded
+request) is verified by sampling instead: position j draws t_j from p_j with one ``draw`` on the
+row's generator, the call ``specserve.sampling.sample`` makes for that output index, and the
+draft d_j is accepted iff t_j == d_j; the row stops at the first mismatch and emits t_j there
+(or the bonus t_k). So a seeded request emits exactly the tokens plain decoding
 with that seed emits, whatever the drafts, their lengths or the batch (each emitted token costs
 one draw, as in plain decoding). Each emitted token still follows p. A deterministic draft
 (n-gram, suffix) is accepted with probability p(d_j), as under the test above; a sampled
@@ -64,7 +64,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.sampling import SampleRequest, TokenLogprob, compute_logprobs, process_logits
+from specserve.sampling import (
+    SampleRequest,
+    TokenLogprob,
+    compute_logprobs,
+    draw,
+    process_logits,
+)
 
 
 @dataclass
@@ -272,8 +278,8 @@ def _sample_rows(
             continue
         acc = 0
         while True:
-            p = probs[p_slot[i, acc]]
-            t = int(torch.multinomial(p.to(gen.device), 1, generator=gen)[0])
+            slot = int(p_slot[i, acc])
+            t = int(draw(probs[slot: slot + 1], gen)[0])
             if acc == ks[b] or t != int(drafts[b, acc]):
                 break
             acc += 1
@@ -318,9 +324,7 @@ def _draw(
     out = torch.zeros(len(sampled), dtype=torch.long, device=dist.device)
     shared = [i for i, b in enumerate(sampled) if rows[b].request.generator is None]
     if shared:
-        where = default_generator.device if default_generator is not None else dist.device
-        draws = torch.multinomial(dist[shared].to(where), 1, generator=default_generator)
-        out[shared] = draws[:, 0].to(dist.device)
+        out[shared] = draw(dist[shared], default_generator).to(dist.device)
     return out
 
 

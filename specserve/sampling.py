@@ -40,6 +40,12 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.T
     return logits
 
 
+# top-k / top-p look at this many best tokens first (torch.topk: ~0.07 ms on a 49k vocabulary,
+# a full sort ~3 ms, more than a decode step); a row whose nucleus does not end inside them
+# (a flat distribution) is filtered with the full sort.
+_CANDIDATES = 256
+
+
 def process_logits(
     logits: torch.Tensor,  # [N, V] float32
     temperature: torch.Tensor,  # [N], > 0
@@ -48,26 +54,60 @@ def process_logits(
 ) -> torch.Tensor:  # [N, V], filtered-out tokens at -inf
     """Temperature, then top-k, then top-p (the order of transformers' and vLLM's samplers)."""
     logits = logits / temperature[:, None]
-    need_k = bool((top_k > 0).any())
-    need_p = bool((top_p < 1.0).any())
-    if not (need_k or need_p):
+    filtered = (top_k > 0) | (top_p < 1.0)
+    if not bool(filtered.any()):
         return logits
+    rows = filtered.nonzero()[:, 0]
+    vocab = logits.shape[-1]
+    cand = min(vocab, max(_CANDIDATES, int(top_k.max())))
+    sub, k, p = logits[rows], top_k[rows], top_p[rows]
+    vals, order = sub.topk(cand, dim=-1)  # [R, C] best first
+    has_k = k > 0
+    kth = vals.gather(1, (torch.where(has_k, k.clamp(max=cand), cand) - 1)[:, None])  # [R, 1]
+    vals = torch.where(has_k[:, None] & (vals < kth), float("-inf"), vals)
+    # Probabilities over the row after top-k: the top-k set itself, or the whole vocabulary.
+    norm = torch.where(has_k, vals.logsumexp(dim=-1), sub.logsumexp(dim=-1))  # [R]
+    probs = (vals - norm[:, None]).exp()
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+    # Keep the smallest prefix whose mass reaches top_p. The first token always stays, also
+    # when top_p underflows to 0 in this dtype (a top_p of 5e-324 once emptied the row and
+    # made the step fail with NaN probabilities).
+    drop = mass_before >= p[:, None]
+    drop[:, 0] = False
+    vals = vals.masked_fill(drop, float("-inf"))
+    out = logits.clone()
+    out[rows] = torch.full_like(sub, float("-inf")).scatter(1, order, vals)
+    # The nucleus ended inside the candidates when one was dropped, or top-k bounds the row.
+    spill = ~(drop[:, -1] | has_k) & (p < 1.0)
+    if bool(spill.any()):
+        wide = rows[spill]
+        out[wide] = _sort_filter(logits[wide], top_k[wide], top_p[wide])
+    return out
+
+
+def _sort_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                 ) -> torch.Tensor:
+    """top-k then top-p by a full sort (rows whose nucleus is wider than the candidates)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
-    if need_k:
-        vocab = logits.shape[-1]
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [N]
-        kth = sorted_logits.gather(1, (k - 1)[:, None])  # [N, 1]
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if need_p:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-        # Keep the smallest prefix whose mass reaches top_p. The first token always stays,
-        # also when top_p underflows to 0 in this dtype (a top_p of 5e-324 once emptied the
-        # row and made the step fail with NaN probabilities).
-        drop = mass_before >= top_p[:, None]
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [N]
+    kth = sorted_logits.gather(1, (k - 1)[:, None])  # [N, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One categorical draw per row of ``probs`` [N, V] (non-negative, unnormalized) by inverse
+    CDF: one uniform per row from ``generator``, the first token whose cumulative mass (float64)
+    exceeds it. Exact like torch.multinomial, which took ~0.75 ms a row on a 49k vocabulary."""
+    cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    u = torch.rand(probs.shape[0], generator=generator, dtype=torch.float64) * cdf[:, -1]
+    return torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -96,11 +136,10 @@ def sample(
         probs = sampling_probs(logits[idx], [rows[i].params for i in sampled])  # [S, V]
         unseeded = [j for j, i in enumerate(sampled) if rows[i].generator is None]
         if unseeded:
-            draws = torch.multinomial(probs[unseeded], 1, generator=default_generator)[:, 0]
-            tokens[idx[unseeded]] = draws
+            tokens[idx[unseeded]] = draw(probs[unseeded], default_generator)
         for j, i in enumerate(sampled):
             if rows[i].generator is not None:
-                tokens[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+                tokens[i] = draw(probs[j: j + 1], rows[i].generator)[0]
     token_list = tokens.tolist()
     return token_list, compute_logprobs(logits, token_list, rows)
 

@@ -80,6 +80,39 @@ def test_process_logits_matches_reference_support():
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [4.0, 0.05])
+def test_top_p_on_a_real_vocabulary_matches_the_reference(scale):
+    """A 49152-token vocabulary: top-k / top-p filter the best 256 candidates first and fall back
+    to a full sort when the nucleus is wider (scale 0.05: a flat row, thousands of tokens in
+    it). Rows with and without filters share the batch; every row equals the float64 reference."""
+    torch.manual_seed(2)
+    logits = torch.randn(4, 49152) * scale
+    cases = [(0.7, 0, 0.95), (1.0, 0, 1.0), (1.2, 40, 0.9), (0.9, 300, 1.0)]
+    out = process_logits(logits, torch.tensor([c[0] for c in cases]),
+                         torch.tensor([c[1] for c in cases]), torch.tensor([c[2] for c in cases]))
+    for i, (t, k, p) in enumerate(cases):
+        # top_p 1 filters nothing (the reference's running float sum may reach 1.0 early)
+        ref = expected_distribution(logits[i], t, k, p if p < 1.0 else math.inf)
+        got = torch.softmax(out[i].double(), dim=-1)
+        assert torch.equal(got > 0, ref > 0), i  # the same support, token for token
+        torch.testing.assert_close(got, ref, atol=1e-9, rtol=1e-5)
+
+
+def test_draw_follows_the_distribution():
+    """Inverse-CDF draws (one uniform a row) against the probabilities, unnormalized input,
+    zero-probability tokens never drawn."""
+    probs = torch.tensor([0.0, 3.0, 1.0, 0.0, 4.0, 2.0]).repeat(40000, 1)
+    from specserve.sampling import draw
+
+    tokens = draw(probs, torch.Generator().manual_seed(9))
+    counts = torch.bincount(tokens, minlength=6).double()
+    expected = torch.tensor([0.0, 0.3, 0.1, 0.0, 0.4, 0.2]) * 40000
+    assert counts[0] == 0 and counts[3] == 0
+    keep = expected > 0
+    chi2 = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    assert chi2 < 3 + 6 * math.sqrt(6), chi2
+
+
 def test_greedy_is_argmax_and_ignores_other_filters():
     logits = torch.tensor([[0.1, 3.0, 2.9], [5.0, -1.0, 4.0]])
     tokens, _ = sample(logits, [row(SamplingParams(temperature=0.0, top_k=1))] * 2)
