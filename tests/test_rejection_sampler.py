@@ -260,13 +260,21 @@ def test_k0_seeded_row_matches_plain_sampler():
               SamplingParams(temperature=1.1, top_p=0.8, seed=2, min_tokens=1)]
     gens_a = [torch.Generator().manual_seed(s) for s in (1, 0, 2)]
     gens_b = [torch.Generator().manual_seed(s) for s in (1, 0, 2)]
-    for _ in range(10):
+    for step in range(10):
         reqs_a = [req(p, g if p.seed is not None else None, banned=[4])
                   for p, g in zip(params, gens_a)]
         reqs_b = [req(p, g if p.seed is not None else None, banned=[4])
                   for p, g in zip(params, gens_b)]
         plain, plain_lp = sample(logits, reqs_a)
-        out = rejection_sample(logits, [SpecDecodeRow(r, []) for r in reqs_b], None)
+        if step % 2:  # alone
+            out = rejection_sample(logits, [SpecDecodeRow(r, []) for r in reqs_b], None)
+        else:  # beside a seeded row that drafts (its uniforms and draws are its own)
+            extra = req(SamplingParams(temperature=0.9, seed=3), torch.Generator().manual_seed(3))
+            more = torch.randn(3, 25, generator=torch.Generator().manual_seed(step))
+            both = torch.cat([logits, more])
+            out = rejection_sample(both, [*(SpecDecodeRow(r, []) for r in reqs_b),
+                                          SpecDecodeRow(extra, [5, 6])], None)
+            out.token_ids = out.token_ids[:3]
         assert out.token_ids == [[t] for t in plain]
 
 
