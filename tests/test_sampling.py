@@ -80,13 +80,18 @@ def test_process_logits_matches_reference_support():
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scale", [4.0, 0.05])
+@pytest.mark.parametrize("scale", [4.0, 0.05, None])
 def test_top_p_on_a_real_vocabulary_matches_the_reference(scale):
-    """A 49152-token vocabulary: top-k / top-p filter the best 256 candidates first and fall back
-    to a full sort when the nucleus is wider (scale 0.05: a flat row, thousands of tokens in
-    it). Rows with and without filters share the batch; every row equals the float64 reference."""
+    """A 49152-token vocabulary: top-k / top-p filter the best 256 candidates first, then the
+    best 4096 (None: 1500 likely tokens, a nucleus of ~1000), and sort the whole row when the
+    nucleus is wider still (scale 0.05: a flat row, tens of thousands of tokens in it). Rows with
+    and without filters share the batch; every row equals the float64 reference."""
     torch.manual_seed(2)
-    logits = torch.randn(4, 49152) * scale
+    if scale is None:
+        logits = torch.randn(4, 49152) * 0.1 - 8.0
+        logits[:, :1500] += 12.0
+    else:
+        logits = torch.randn(4, 49152) * scale
     cases = [(0.7, 0, 0.95), (1.0, 0, 1.0), (1.2, 40, 0.9), (0.9, 300, 1.0)]
     out = process_logits(logits, torch.tensor([c[0] for c in cases]),
                          torch.tensor([c[1] for c in cases]), torch.tensor([c[2] for c in cases]))
