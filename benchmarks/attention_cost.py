@@ -29,12 +29,11 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks.report import (  # noqa: E402
-    RESULTS_MD,
     BenchError,
     parse_list,
+    publish,
     results_section,
     run_info,
-    write_section,
 )
 from specserve.kernels import quant_ext  # noqa: E402
 from specserve.kernels.cpp_build import load_extension  # noqa: E402
@@ -84,7 +83,12 @@ def main() -> int:
     H, KVH, D, L, bs = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, \
         args.block_size
     ext = quant_ext.load()
-    from specserve.kernels.attention_form import choose_form, supported_forms
+    from specserve.kernels.attention_form import (
+        choose_form,
+        query_rows,
+        supported_forms,
+        synthetic_caches,
+    )
 
     form = choose_form(H, KVH, D, cache_root() / "tune") if args.form is None else args.form
     if form not in supported_forms(D):
@@ -107,15 +111,10 @@ def main() -> int:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     with torch.inference_mode():
         for ctx in contexts:
-            nb = ctx // bs + 2
-            caches = [(torch.randn(nb, bs, KVH, D), torch.randn(nb, bs, KVH, D))
-                      for _ in range(L)]
-            table = torch.arange(nb, dtype=torch.int32)[None]
+            caches, table = synthetic_caches(KVH, D, L, ctx, bs)
             ms: dict[str, dict[int, float]] = {name: {} for name in runs}
             for rows in rows_list:
-                q = torch.randn(rows, H, D)
-                seq_of = torch.zeros(rows, dtype=torch.int64)
-                pos_of = torch.arange(ctx - rows, ctx, dtype=torch.int64)
+                q, seq_of, pos_of = query_rows(H, D, ctx, rows)
                 samples: dict[str, list[float]] = {name: [] for name in runs}
                 for rep in range(args.repeats + 1):
                     order = list(runs.items())
@@ -149,9 +148,7 @@ def main() -> int:
         + ("." if base is None else f"; baseline: build {args.baseline_key}, passes alternating "
            "with this checkout's."),
         lines)
-    print(section)
-    if not args.no_write:
-        write_section(RESULTS_MD, heading, section)
+    publish(heading, section, write=not args.no_write)
     return 0
 
 

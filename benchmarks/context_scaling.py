@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
+from benchmarks.report import publish, results_section, run_info  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
@@ -114,9 +114,7 @@ def main() -> int:
            f"; one engine per KV cache dtype, {args.repeats} alternating rounds, the best kept."),
         lines,
     )
-    print(section)
-    if not args.no_write:
-        write_section(RESULTS_MD, heading, section)
+    publish(heading, section, write=not args.no_write)
     return 0
 
 

@@ -32,12 +32,11 @@ sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks.kernel_forms import bandwidth_gb_s, load_projections, time_form  # noqa: E402
 from benchmarks.report import (  # noqa: E402
-    RESULTS_MD,
     BenchError,
     parse_list,
+    publish,
     results_section,
     run_info,
-    write_section,
 )
 from specserve.kernels import quant_ext  # noqa: E402
 from specserve.kernels.cpp_build import load_extension  # noqa: E402
@@ -84,14 +83,11 @@ def time_attention(ext, form: int, shape: tuple[int, int, int, int], ctx: int, r
                    repeats: int, block_size: int = 16) -> float:
     """Median seconds of all layers' paged attention for ``rows`` rows at the end of a
     ``ctx``-token cache (each layer its own cache, as cold as in a forward)."""
+    from specserve.kernels.attention_form import query_rows, synthetic_caches
+
     H, KVH, D, L = shape
-    nb = ctx // block_size + 2
-    caches = [(torch.randn(nb, block_size, KVH, D), torch.randn(nb, block_size, KVH, D))
-              for _ in range(L)]
-    table = torch.arange(nb, dtype=torch.int32)[None]
-    q = torch.randn(rows, H, D)
-    seq_of = torch.zeros(rows, dtype=torch.int64)
-    pos_of = torch.arange(ctx - rows, ctx, dtype=torch.int64)
+    caches, table = synthetic_caches(KVH, D, L, ctx, block_size)
+    q, seq_of, pos_of = query_rows(H, D, ctx, rows)
     samples = []
     for rep in range(repeats + 1):
         t0 = time.perf_counter()
@@ -185,9 +181,7 @@ def main() -> int:
         f"Attention: all {L} layers, float32 KV; bound = FMAs ({lanes} lanes, scores and "
         f"weighted values) at the {fma} peak. Medians of {args.repeats}.",
         lines)
-    print(section)
-    if not args.no_write:
-        write_section(RESULTS_MD, heading, section)
+    publish(heading, section, write=not args.no_write)
     return 0
 
 

@@ -27,12 +27,11 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks.report import (  # noqa: E402
-    RESULTS_MD,
     BenchError,
     parse_list,
+    publish,
     results_section,
     run_info,
-    write_section,
 )
 from specserve.kernels import quant_ext  # noqa: E402
 from specserve.kernels.quant import BlockQuantLinear  # noqa: E402
@@ -131,9 +130,7 @@ def main() -> int:
         f"{gb_s:.1f} GB/s, so one pass over the weights costs at least "
         f"{weight_mb / gb_s:.2f} ms.",
         lines)
-    print(section)
-    if not args.no_write:
-        write_section(RESULTS_MD, heading, section)
+    publish(heading, section, write=not args.no_write)
     return 0
 
 

@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
+from benchmarks.report import publish, results_section, run_info  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.draft.ngram import find_ngram_draft  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
@@ -90,9 +90,7 @@ def main() -> int:
         f"timing (see the script's docstring).",
         lines,
     )
-    print(section)
-    if not args.no_write:
-        write_section(RESULTS_MD, "## N-gram proposer: tokens per target step", section)
+    publish("## N-gram proposer: tokens per target step", section, write=not args.no_write)
     return 0
 
 

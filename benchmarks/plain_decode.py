@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
+from benchmarks.report import publish, results_section, run_info  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
@@ -140,9 +140,7 @@ def main() -> int:
         f"{'' if engine.quantization == 'none' else ' (not expected: int8 activations)'}.",
         lines,
     )
-    print(section)
-    if not args.no_write:
-        write_section(RESULTS_MD, heading, section)
+    publish(heading, section, write=not args.no_write)
     reference = engine.quantization == "none"
     return 0 if not reference or rows[0]["greedy_identical"] is not False else 1
 

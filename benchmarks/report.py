@@ -153,6 +153,14 @@ def write_results_section(heading: str, info: RunInfo, intro: str, body: list[st
     write_section(RESULTS_MD, heading, results_section(heading, info, intro, body))
 
 
+def publish(heading: str, section: str, write: bool) -> None:
+    """Prints a script's results section and, when ``write`` (no ``--no-write``), puts it in
+    benchmarks/RESULTS.md under ``heading``."""
+    print(section)
+    if write:
+        write_section(RESULTS_MD, heading, section)
+
+
 def write_section(path: Path, heading: str, section: str) -> None:
     """Replaces the section starting at ``heading`` (up to the next '## ') or appends it."""
     text = path.read_text() if path.exists() else "# Benchmark results\n\n"

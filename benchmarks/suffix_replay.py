@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks.ab import load_chats  # noqa: E402
-from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
+from benchmarks.report import publish, results_section, run_info  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.draft.base import FinishedSequence, ProposalRequest  # noqa: E402
 from specserve.draft.ngram import find_ngram_draft  # noqa: E402
@@ -114,9 +114,7 @@ def main() -> int:
         "per prompt, prompts replayed in order (each output enters the suffix cache before the "
         "next prompt, as in benchmarks/ab.py at batch 1); n-gram: n from 4 down to 1. Exact "
         "counts, no timing (see the script's docstring).", lines)
-    print(section)
-    if not args.no_write:
-        write_section(RESULTS_MD, heading, section)
+    publish(heading, section, write=not args.no_write)
     return 0
 
 

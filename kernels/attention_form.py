@@ -54,6 +54,28 @@ def supported_forms(head_dim: int) -> list[int]:
     return [f for f in forms if ext.attention_form_supported(f, head_dim)]
 
 
+def synthetic_caches(num_kv_heads: int, head_dim: int, layers: int, context: int,
+                     block_size: int = 16, generator: torch.Generator | None = None
+                     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """One sequence of ``context`` positions in a paged cache: random K/V blocks per layer (each
+    layer its own, so a pass reads them from memory as a forward does) and its block table."""
+    nb = context // block_size + 1
+    caches = [(torch.randn(nb, block_size, num_kv_heads, head_dim, generator=generator),
+               torch.randn(nb, block_size, num_kv_heads, head_dim, generator=generator))
+              for _ in range(layers)]
+    return caches, torch.arange(nb, dtype=torch.int32)[None]
+
+
+def query_rows(num_heads: int, head_dim: int, context: int, rows: int,
+               generator: torch.Generator | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, seq_of, pos_of): ``rows`` query rows of that sequence at its last positions (a decode
+    step is 1 row, a k-draft verify k + 1)."""
+    q = torch.randn(rows, num_heads, head_dim, generator=generator)
+    return (q, torch.zeros(rows, dtype=torch.int64),
+            torch.arange(context - rows, context, dtype=torch.int64))
+
+
 def time_forms(num_heads: int, num_kv_heads: int, head_dim: int, forms: list[int],
                repeats: int = 9) -> dict[int, float]:
     """Per form, its cost over the timed cases (a decode row and two verifies, at a short and a
@@ -61,19 +83,13 @@ def time_forms(num_heads: int, num_kv_heads: int, head_dim: int, forms: list[int
     the fastest form's on that case, so a decode row (a fraction of a verify's time) weighs as
     much as a verify. Passes alternate between the forms."""
     ext = quant_ext.load()
-    bs = 16
     g = torch.Generator().manual_seed(0)
     cases = []  # (q, caches, block table, seq_of, pos_of)
     for context in _CONTEXTS:
-        nb = context // bs + 1
-        caches = [(torch.randn(nb, bs, num_kv_heads, head_dim, generator=g),
-                   torch.randn(nb, bs, num_kv_heads, head_dim, generator=g))
-                  for _ in range(_LAYERS)]
-        table = torch.arange(nb, dtype=torch.int32)[None]
+        caches, table = synthetic_caches(num_kv_heads, head_dim, _LAYERS, context, generator=g)
         for rows in _ROWS:
-            q = torch.randn(rows, num_heads, head_dim, generator=g)
-            pos_of = torch.arange(context - rows, context, dtype=torch.int64)
-            cases.append((q, caches, table, torch.zeros(rows, dtype=torch.int64), pos_of))
+            q, seq_of, pos_of = query_rows(num_heads, head_dim, context, rows, generator=g)
+            cases.append((q, caches, table, seq_of, pos_of))
     samples = {f: [[] for _ in cases] for f in forms}
     for rep in range(repeats + 1):
         for f in forms if rep % 2 else forms[::-1]:

@@ -1,0 +1,45 @@
+"""The kernel benchmark scripts (kernel_forms.py, attention_cost.py, cpu_roofline.py): flag
+errors are one line, and cpu_roofline's peak loops run what they claim to."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("attention_cost.py", ["--baseline-key", "0000000000000000", "--no-write"], "no cached build"),
+    ("attention_cost.py", ["--rows", "1,x", "--no-write"], "--rows takes a comma-separated"),
+    ("kernel_forms.py", ["--rows", "two", "--no-write"], "--rows takes a comma-separated"),
+    ("cpu_roofline.py", ["--rows", "1,200", "--contexts", "100", "--no-write"],
+     "every --rows value must be <= every --contexts value"),
+])
+def test_kernel_benchmarks_reject_bad_flags_with_one_line(script, args, message):
+    """A bad flag is a one-line error and exit code 2, not a traceback."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), *args],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_peak_loops_run_every_chain_on_every_thread():
+    """benchmarks/cpu_roofline.py's peak loops keep each chain's value (x * 1 + 0, or + 0 * 1
+    products): the sum they return is 0 + 1 + .. + 15 per thread (per lane of lane-summed
+    kinds), so every chain of every thread ran; an unknown kind is refused by name."""
+    from benchmarks.cpu_roofline import KINDS, peak_extension
+
+    ext = peak_extension()
+    threads = torch.get_num_threads()
+    lanes = {"fma256": 1, "fma512": 16, "dpbusd256": 1, "dpbusd512": 16, "dpbf16_512": 16}
+    ran = [k for k in KINDS if ext.supported(k)]
+    assert "fma256" in ran  # every CPU the kernels build for has AVX2 + FMA
+    for kind in ran:
+        assert ext.run(kind, 3) == 120 * lanes[kind] * threads, kind
+    assert not ext.supported("amx")
+    with pytest.raises(RuntimeError, match="amx does not run on this CPU"):
+        ext.run("amx", 1)
