@@ -98,6 +98,7 @@ class Speculator:
         self._early: dict[int, list[int]] = {}  # seq id -> this step's model-free draft
         self._hints: dict[int, tuple[str, DraftHints]] = {}  # seq id -> (method, its hints)
         self._expected_memo: dict[tuple[int, str, int], tuple[float, ...]] = {}
+        self._model_proposers: list[str] = []  # names of the proposers that run a model
         self._early_seconds = 0.0
         self._kv_after: dict[int, int] = {}  # seq id -> its proposer's KV after drafting
         # Draft-model tokens per step are bounded like the target's: a prompt whose draft KV is
@@ -166,6 +167,8 @@ class Speculator:
         self._early.clear()
         self._hints.clear()
         self._expected_memo.clear()
+        # once a step, not per sequence (benchmarks may swap proposers between runs)
+        self._model_proposers = [n for n, p in self.proposers.items() if p.uses_model]
         self._catch_up.clear()
         t0 = time.perf_counter()
         for seq in running:
@@ -255,7 +258,7 @@ class Speculator:
         options: list[tuple[float, str, int]] = []
         cost = self.policy.target_cost
         cheap = self.proposers.get(_AUTO_CHEAP)
-        models = [name for name, p in self.proposers.items() if p.uses_model]
+        models = self._model_proposers
         if cheap is not None:
             n = len(self._cheap_draft(cheap, seq, k_max))
             if not models:  # nothing to weigh it against: the batch policy cuts it
