@@ -20,8 +20,8 @@ its proposer's per-token probabilities) through hazards learned from earlier ver
 A model-free proposer's host time is measured per call and priced by the policy. A sequence the
 policy keeps at k = 0 does not call its proposer for the next 1, 2, 4, .. 16 steps (``_idle``),
 so that speculation that does not pay (a large batch, a low acceptance) does not cost its
-proposer's time every step either. (An empty draft is not a k = 0 choice: the next tokens may
-match, and the proposer keeps being asked.)
+proposer's time every step either. A proposal with nothing worth drafting (no match, no method
+that pays) backs off too, but at most 4 steps: the next tokens may start a copy.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ from specserve.target.model import FeatureCapture
 _AUTO_CHEAP = "suffix"  # auto's model-free candidate (suffix decoding subsumes prompt lookup)
 _EAGLE = "eagle"  # the proposer that reads the target's hidden states
 _MAX_IDLE = 16  # most steps a sequence kept at k = 0 skips its proposer before trying again
+# ... and after proposals with nothing worth drafting (no match; no method that pays): a copy
+# can start at any token, so these back off less far.
+_MAX_EMPTY_IDLE = 4
 
 
 def _stats_key(seq: Sequence, method: str) -> str:
@@ -195,6 +198,7 @@ class Speculator:
             method, k_max = self._pick(seq, k_max)
             seq.spec_step_method = method
             if k_max <= 0:
+                self._back_off(seq.seq_id, _MAX_EMPTY_IDLE)
                 continue
             if self.proposers[method].uses_model and self._draft_lag(seq) >= self._draft_budget:
                 # Drafting would first feed the draft every token it lacks in one forward: catch
@@ -218,9 +222,15 @@ class Speculator:
         for c in candidates:
             if ks[c.key] > 0:
                 self._idle.pop(c.key, None)
-            else:  # back off: skip the proposer for 1, 2, 4, .. _MAX_IDLE steps
-                streak = self._idle.get(c.key, (0, 0))[1]
-                self._idle[c.key] = (min(1 << streak, _MAX_IDLE), streak + 1)
+            else:
+                self._back_off(c.key, _MAX_IDLE)
+
+    def _back_off(self, seq_id: int, cap: int) -> None:
+        """Skip the sequence's proposers for the next 1, 2, 4, .. ``cap`` steps (doubling while
+        its proposals keep coming to nothing): ~60% of a 32-sequence chat batch's proposals
+        found nothing to draft, every step, at 3-4% of the step's time."""
+        streak = self._idle.get(seq_id, (0, 0))[1]
+        self._idle[seq_id] = (min(1 << streak, cap), streak + 1)
 
     def _cheap_draft(self, proposer: Proposer, seq: Sequence, k: int) -> list[int]:
         req = self._request(seq, k)
