@@ -3,7 +3,8 @@ proposer, on the same model, prompts, dtype and greedy settings. Writes a RESULT
 
     python benchmarks/ab.py [--model PATH] [--draft-model PATH] [--prompts rewrite]
         [--num-prompts N] [--new-tokens 96] [--k 4] [--suffix-k 16] [--batch-sizes 1,8]
-        [--repeats 3] [--modes off,ngram,suffix,auto] [--fixed-k] [--num-threads N] [--no-write]
+        [--repeats 3] [--modes off,ngram,suffix,auto] [--fixed-k] [--num-threads N]
+        [--kv-cache-dtype auto] [--no-write]
 
 ``--k`` is k_max of n-gram and draft-model speculation; suffix and auto get their own k_max,
 ``--suffix-k`` (the server's ``--suffix-speculative-tokens``): a long suffix match drafts long.
@@ -95,6 +96,7 @@ def main() -> int:
                     help="comma list of off, ngram, suffix, auto, draft (default: off, ngram "
                          "and draft when a draft model is given)")
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the server's --kv-cache-dtype")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
@@ -103,6 +105,7 @@ def main() -> int:
         adaptive_speculation=not args.fixed_k, num_speculative_tokens=args.k,
         suffix_speculative_tokens=args.suffix_k,
         num_threads=args.num_threads, draft_model=args.draft_model or "none",
+        kv_cache_dtype=args.kv_cache_dtype,
     ))
     source, chats = load_chats(engine, args.prompts, args.num_prompts)
     modes = ["off", "ngram"] + (["draft"] if args.draft_model else [])
@@ -160,7 +163,8 @@ def main() -> int:
         run_info(sys.argv[1:], program="python benchmarks/ab.py"),
         f"Model `{engine.model_path.split('/')[-1]}`"
         + (f", draft `{args.draft_model}`" if args.draft_model else "")
-        + f", dtype {args.dtype}, greedy, {args.new_tokens} new tokens, prompts "
+        + f", dtype {args.dtype}, KV cache {str(engine.kv_dtype).removeprefix('torch.')}"
+        f", greedy, {args.new_tokens} new tokens, prompts "
         f"{source.relative_to(ROOT.parent)} ({len(chats)} prompts), k_max {args.k} "
         f"(suffix and auto {args.suffix_k}), "
         f"adaptive k {not args.fixed_k}, {args.repeats} interleaved repeats. "

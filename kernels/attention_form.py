@@ -1,5 +1,6 @@
 """Which form of the C++ paged attention a process runs, measured: ``1024 * seg + 64 * isa +
-tile``, isa 0 (AVX2) or 1 (AVX-512), tile the query positions per work item (8 or 16), seg 0
+tile``, isa 0 (AVX2), 1 (AVX-512) or 2 (AVX-512 BF16 products: bfloat16 caches only, queries and
+weights rounded to bfloat16), tile the query positions per work item (8 or 16), seg 0
 (each row's keys in one run) or 1-3 (keys in segments of 128, 256 or 512 positions, folded in
 order, so that a lone sequence's few KV heads spread over every thread).
 
@@ -32,7 +33,7 @@ from specserve.kernels.tuner import cpu_model
 
 log = logging.getLogger(__name__)
 
-AVX2, AVX512 = 0, 1  # isa
+AVX2, AVX512, BF16_DOT = 0, 1, 2  # isa
 TILES = (8, 16)
 SEGMENTS = (0, 1, 2, 3)  # 0: none; s: segments of 64 << s key positions
 DEFAULT = 64 * AVX2 + 8  # untimed (kernel tuning off): runs on every CPU the extension runs on
@@ -45,23 +46,34 @@ def form(isa: int, tile: int, seg: int = 0) -> int:
     return 1024 * seg + 64 * isa + tile
 
 
-def supported_forms(head_dim: int) -> list[int]:
-    """Every form this CPU runs for ``head_dim``, DEFAULT first; [] without the extension."""
+def for_float32_caches(f: int) -> int:
+    """The form to run on float32 / float16 caches beside a process's bfloat16-product form
+    (a draft model's or an EAGLE head's own cache): the same tile and segments, AVX-512."""
+    seg, isa, tile = f // 1024, f % 1024 // 64, f % 64
+    return form(AVX512, tile, seg) if isa == BF16_DOT else f
+
+
+def supported_forms(head_dim: int, cache_dtype: torch.dtype = torch.float32) -> list[int]:
+    """Every form this CPU runs for ``head_dim`` and a cache of ``cache_dtype``, DEFAULT first;
+    [] without the extension."""
     if not quant_ext.available():
         return []
     ext = quant_ext.load()
-    forms = [form(isa, t, seg) for seg in SEGMENTS for isa in (AVX2, AVX512) for t in TILES]
-    return [f for f in forms if ext.attention_form_supported(f, head_dim)]
+    bf16 = cache_dtype == torch.bfloat16
+    forms = [form(isa, t, seg) for seg in SEGMENTS for isa in (AVX2, AVX512, BF16_DOT)
+             for t in TILES]
+    return [f for f in forms if ext.attention_form_supported(f, head_dim, bf16)]
 
 
 def synthetic_caches(num_kv_heads: int, head_dim: int, layers: int, context: int,
-                     block_size: int = 16, generator: torch.Generator | None = None
+                     block_size: int = 16, generator: torch.Generator | None = None,
+                     dtype: torch.dtype = torch.float32,
                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """One sequence of ``context`` positions in a paged cache: random K/V blocks per layer (each
     layer its own, so a pass reads them from memory as a forward does) and its block table."""
     nb = context // block_size + 1
-    caches = [(torch.randn(nb, block_size, num_kv_heads, head_dim, generator=generator),
-               torch.randn(nb, block_size, num_kv_heads, head_dim, generator=generator))
+    caches = [(torch.randn(nb, block_size, num_kv_heads, head_dim, generator=generator).to(dtype),
+               torch.randn(nb, block_size, num_kv_heads, head_dim, generator=generator).to(dtype))
               for _ in range(layers)]
     return caches, torch.arange(nb, dtype=torch.int32)[None]
 
@@ -77,7 +89,7 @@ def query_rows(num_heads: int, head_dim: int, context: int, rows: int,
 
 
 def time_forms(num_heads: int, num_kv_heads: int, head_dim: int, forms: list[int],
-               repeats: int = 9) -> dict[int, float]:
+               repeats: int = 9, cache_dtype: torch.dtype = torch.float32) -> dict[int, float]:
     """Per form, its cost over the timed cases (a decode row and two verifies, at a short and a
     long context; ``_LAYERS`` layers each): the sum over cases of its median seconds relative to
     the fastest form's on that case, so a decode row (a fraction of a verify's time) weighs as
@@ -86,7 +98,8 @@ def time_forms(num_heads: int, num_kv_heads: int, head_dim: int, forms: list[int
     g = torch.Generator().manual_seed(0)
     cases = []  # (q, caches, block table, seq_of, pos_of)
     for context in _CONTEXTS:
-        caches, table = synthetic_caches(num_kv_heads, head_dim, _LAYERS, context, generator=g)
+        caches, table = synthetic_caches(num_kv_heads, head_dim, _LAYERS, context, generator=g,
+                                         dtype=cache_dtype)
         for rows in _ROWS:
             q, seq_of, pos_of = query_rows(num_heads, head_dim, context, rows, generator=g)
             cases.append((q, caches, table, seq_of, pos_of))
@@ -105,14 +118,15 @@ def time_forms(num_heads: int, num_kv_heads: int, head_dim: int, forms: list[int
 
 
 def choose_form(num_heads: int, num_kv_heads: int, head_dim: int, cache_dir: Path | None,
-                measure: bool = True) -> int:
-    """The form this process runs. ``measure=False`` (kernel tuning off): DEFAULT, which runs
-    everywhere, so the choice never depends on timing noise."""
-    forms = supported_forms(head_dim)
+                measure: bool = True, cache_dtype: torch.dtype = torch.float32) -> int:
+    """The form this process runs for a KV cache of ``cache_dtype``. ``measure=False`` (kernel
+    tuning off): DEFAULT, which runs everywhere, so the choice never depends on timing noise."""
+    forms = supported_forms(head_dim, cache_dtype)
     if not measure or len(forms) < 2:
         return DEFAULT
     key = "|".join([cpu_model(), torch.__version__, str(torch.get_num_threads()),
-                    f"{num_heads}x{num_kv_heads}x{head_dim}", quant_ext.build_key()])
+                    f"{num_heads}x{num_kv_heads}x{head_dim}", quant_ext.build_key(),
+                    str(cache_dtype)])
     path = None
     if cache_dir is not None:
         path = cache_dir / f"attention-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
@@ -122,7 +136,7 @@ def choose_form(num_heads: int, num_kv_heads: int, head_dim: int, cache_dir: Pat
                 return cached
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    cost = time_forms(num_heads, num_kv_heads, head_dim, forms)
+    cost = time_forms(num_heads, num_kv_heads, head_dim, forms, cache_dtype=cache_dtype)
     best = min(cost, key=cost.__getitem__)
     log.info("attention form %d (cost relative to the best per case: %s)", best,
              {f: round(c, 3) for f, c in cost.items()})

@@ -21,6 +21,10 @@ from specserve.kernels import quant_ext
 from specserve.kernels.metadata import AttentionMetadata
 from specserve.kernels.torch_ref import TorchPagedAttention, write_kv
 
+# float32, or float16 / bfloat16 rows widened as they are read (bfloat16 also has a form with
+# bfloat16 products: kernels/attention_form.py)
+_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 @dataclass
 class _Plan:
@@ -67,8 +71,9 @@ def _build_plan(meta: AttentionMetadata, max_kernel_query: int | None) -> _Plan:
 
 
 class CpuPagedAttention:
-    """Stateless; one instance serves every layer. float32 or float16 CPU caches (float16 rows
-    are widened exactly as they are read; queries and sums stay float32)."""
+    """Stateless; one instance serves every layer. float32, float16 or bfloat16 CPU caches
+    (float16 and bfloat16 rows are widened exactly as they are read and sums stay float32,
+    except in the bfloat16-product form, which also rounds queries and weights to bfloat16)."""
 
     name = "cpu_paged"
 
@@ -98,7 +103,7 @@ class CpuPagedAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        if q.dtype != torch.float32 or k_cache.dtype not in (torch.float32, torch.float16):
+        if q.dtype != torch.float32 or k_cache.dtype not in _CACHE_DTYPES:
             return self._long.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
         plan: _Plan = meta.plan(self.name, lambda: _build_plan(meta, self.max_kernel_query))
         if k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride(-2) == v.shape[-1]:

@@ -47,8 +47,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int = 512
     # bytes for the KV pool; None = 2 GiB on CPU, 90% of free memory on GPU
     kv_cache_memory: int | None = None
-    # auto | float32 | float16: the target's KV cache elements. auto: the model dtype. float16
-    # halves the bytes attention reads per key (llama.cpp's default); the C++ CPU attention only
+    # auto | float32 | float16 | bfloat16: the target's KV cache elements. auto: the model dtype.
+    # float16 / bfloat16 halve the bytes attention reads per key (llama.cpp's default is float16;
+    # bfloat16 also runs bfloat16 products where the CPU has them); the C++ CPU attention only
     kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests force tiny pools)
     enable_prefix_caching: bool = True
@@ -94,8 +95,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(
                 f"quantization must be auto, none, int4 or int8 (got {self.quantization!r})"
             )
-        if self.kv_cache_dtype not in ("auto", "float32", "float16"):
-            raise ConfigError(f"kv-cache-dtype must be auto, float32 or float16 "
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ConfigError(f"kv-cache-dtype must be auto, float32, float16 or bfloat16 "
                               f"(got {self.kv_cache_dtype!r})")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(

@@ -7,6 +7,7 @@ and is synchronous; the server drives it from a dedicated thread.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -19,7 +20,7 @@ from specserve.config import EngineConfig
 from specserve.draft.eagle_head import EagleHead, EagleRunner, is_eagle_dir, load_head
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.kernels import quant_ext
-from specserve.kernels.attention_form import choose_form
+from specserve.kernels.attention_form import choose_form, for_float32_caches
 from specserve.kernels.metadata import AttentionMetadata, token_positions
 from specserve.kernels.registry import get_attention_backend
 from specserve.kernels.tuner import KernelTuner, TuneTable, default_row_counts
@@ -93,7 +94,7 @@ class LLMEngine:
             mc = self.model_config
             self.attn_backend.form = choose_form(
                 mc.num_heads, mc.num_kv_heads, mc.head_dim, cache_root() / "tune",
-                measure=config.kernel_tuning,
+                measure=config.kernel_tuning, cache_dtype=self.kv_dtype,
             )
         self.runner = ModelRunner(
             self.model_config,
@@ -111,13 +112,19 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = self._eos_ids()
         self.generator = torch.Generator().manual_seed(config.seed)
+        # Draft models and EAGLE heads keep float32 caches (their numbers only move acceptance):
+        # they run the target's form widened to them.
+        draft_backend = self.attn_backend
+        if self.attn_backend.name == "cpu_paged":
+            draft_backend = copy.copy(self.attn_backend)
+            draft_backend.form = for_float32_caches(self.attn_backend.form)
         draft_runner = None
         if draft_model is not None and self.draft_config is not None:
             # Same block ids, separate KV tensors: one block table serves both models.
             draft_runner = ModelRunner(
                 self.draft_config, draft_model, num_blocks=config.num_kv_blocks,
                 block_size=config.block_size, dtype=self.dtype, device=self.device,
-                attn_backend=self.attn_backend,
+                attn_backend=draft_backend,
             )
             # One span per draft forward (each draft step) without touching the proposer.
             draft_model.register_forward_pre_hook(lambda *_: self.tracer.begin("draft_forward"))
@@ -126,7 +133,7 @@ class LLMEngine:
         if self.eagle_head is not None:
             eagle_runner = EagleRunner(
                 self.eagle_head, num_blocks=config.num_kv_blocks, block_size=config.block_size,
-                dtype=self.dtype, device=self.device, backend=self.attn_backend,
+                dtype=self.dtype, device=self.device, backend=draft_backend,
             )
         self.kernel_table = self._tune_kernels(model, draft_model)
         self.speculator = Speculator(
@@ -184,17 +191,17 @@ class LLMEngine:
         return table
 
     def _resolve_kv_dtype(self, backend: str) -> torch.dtype:
-        """The target's KV cache dtype: the model's, or float16 where the C++ attention reads
-        it (keys and values widened exactly as they are read; sums stay float32)."""
+        """The target's KV cache dtype: the model's, or float16 / bfloat16 where the C++
+        attention reads it (kernels/cpu_paged.py)."""
         choice = self.config.kv_cache_dtype
-        if choice == "float16":
+        if choice in ("float16", "bfloat16"):
             if backend != "cpu_paged" or self.device.type != "cpu":
                 raise ConfigError(
-                    f"kv-cache-dtype float16 needs the C++ CPU attention (a quantized model on "
+                    f"kv-cache-dtype {choice} needs the C++ CPU attention (a quantized model on "
                     f"CPU, --attention-backend auto or cpu_paged); this engine uses "
                     f"{backend!r} on {self.device.type}: use --kv-cache-dtype auto"
                 )
-            return torch.float16
+            return torch.float16 if choice == "float16" else torch.bfloat16
         if choice == "float32":
             return torch.float32
         return self.dtype

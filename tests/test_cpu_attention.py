@@ -1,6 +1,6 @@
-"""The C++ paged attention (kernels/csrc/fused.cpp) in all of its forms (AVX2, and AVX-512 where
-the CPU has it; tiles; key segments) and with float32 and float16 caches: against a float64
-reference, and verify rows bit for bit equal to decode rows."""
+"""The C++ paged attention (kernels/csrc/fused.cpp) in all of its forms (AVX2, and AVX-512 and
+AVX-512 BF16 products where the CPU has them; tiles; key segments) and with float32, float16 and
+bfloat16 caches: against a float64 reference, and verify rows bit for bit equal to decode rows."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import torch
 from specserve.kernels.attention_form import supported_forms
 
 FORMS = supported_forms(16)  # the tests' head_dim; [] without the extension fails loudly below
+# bfloat16 caches at head_dim 32 (the bfloat16-product form needs a multiple of 32)
+BF16_FORMS = supported_forms(32, torch.bfloat16)
+DOT_FORMS = [f for f in BF16_FORMS if f % 1024 // 64 == 2]
 
 
 def test_the_default_form_runs_everywhere_the_extension_does():
@@ -19,11 +22,11 @@ def test_the_default_form_runs_everywhere_the_extension_does():
 
 
 def _attention_case(seed: int, query_lens: list[int], ctx_lens: list[int], window: int | None,
-                    cache_dtype: torch.dtype = torch.float32):
+                    cache_dtype: torch.dtype = torch.float32, head_dim: int = 16):
     from specserve.kernels.metadata import AttentionMetadata
 
     g = torch.Generator().manual_seed(seed)
-    bs, H, KVH, D = 4, 4, 2, 16
+    bs, H, KVH, D = 4, 4, 2, head_dim
     blocks_per = [-(-c // bs) for c in ctx_lens]
     perm = torch.randperm(sum(blocks_per) + 3, generator=g).tolist()
     tables, i = [], 0
@@ -153,3 +156,75 @@ def test_an_unsupported_attention_form_names_the_forms():
         quant_ext.load().paged_attention(q, kc, vc, meta.block_tables,
                                          torch.zeros(1, dtype=torch.int64),
                                          torch.tensor([4]), 0.25, 0, 64 * 5 + 8)
+
+
+def _bf16_reference(case, scale: float, dot: bool) -> torch.Tensor:
+    """float64 attention over the bfloat16 cache (and, for the bfloat16-product form, the
+    bfloat16-rounded queries: the weights' rounding is left out, so compare loosely)."""
+    from specserve.kernels.torch_ref import TorchPagedAttention
+
+    q, k, v, kc, vc, meta, window = case
+    meta.plan_cache.clear()
+    q64 = (q.to(torch.bfloat16) if dot else q).double()
+    return TorchPagedAttention().forward(
+        q64, k.to(torch.bfloat16).double(), v.to(torch.bfloat16).double(), kc.double(),
+        vc.double(), meta, scale, window)
+
+
+@pytest.mark.parametrize("form", BF16_FORMS)
+@pytest.mark.parametrize("window", [None, 7])
+def test_bfloat16_cache_matches_float64_reference(window, form):
+    """A bfloat16 cache: written rounded to nearest even as torch rounds, then read by every form.
+    The widening forms compute exactly as with a float16 cache (tight); the bfloat16-product
+    form rounds queries and weights to bfloat16 (loose: a weight's rounding moves an output by
+    ~2^-9 of a value). Decodes, verifies and a 40-token prefill at odd and even positions."""
+    from specserve.kernels.cpu_paged import CpuPagedAttention
+
+    case = _attention_case(21, [1, 4, 40, 3], [9, 14, 40, 77], window, torch.bfloat16, 32)
+    q, k, v, kc, vc, meta, _ = case
+    out = CpuPagedAttention(form=form).forward(q, k, v, kc, vc, meta, 0.2, window)
+    assert torch.equal(kc.view(-1, *k.shape[1:])[meta.slot_mapping], k.to(torch.bfloat16))
+    assert torch.equal(vc.view(-1, *v.shape[1:])[meta.slot_mapping], v.to(torch.bfloat16))
+    dot = form in DOT_FORMS
+    ref = _bf16_reference(case, 0.2, dot)
+    tol = 1e-2 if dot else 1e-5
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("form", DOT_FORMS)
+def test_bfloat16_products_pair_every_key_with_its_own_value(form):
+    """Keys all zero: every weight is exactly 1, so each row's output is the plain mean of its
+    visible values, to float32 rounding. Rows start and end at odd and even positions (a sliding
+    window of 5 and 6, contexts of 1 to 300), so a key pair's missing half, chunk and segment
+    boundaries and the value dims' interleaving are all checked without the weights' rounding."""
+    from specserve.kernels.cpu_paged import CpuPagedAttention
+    from specserve.kernels.torch_ref import TorchPagedAttention
+
+    for window in (None, 5, 6):
+        case = _attention_case(23, [1, 2, 5, 1, 17], [1, 6, 131, 300, 200], window,
+                               torch.bfloat16, 32)
+        q, k, v, kc, vc, meta, _ = case
+        kc.zero_()
+        k = torch.zeros_like(k)
+        out = CpuPagedAttention(form=form).forward(q, k, v, kc, vc, meta, 0.3, window)
+        meta.plan_cache.clear()
+        ref = TorchPagedAttention().forward(q.double(), k.double(), v.to(torch.bfloat16).double(),
+                                            kc.double(), vc.double(), meta, 0.3, window)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", BF16_FORMS)
+@pytest.mark.parametrize("window", [None, 3, 200])
+def test_bfloat16_cache_verify_rows_equal_decode_rows(window, form):
+    """With a bfloat16 cache, every form (the bfloat16-product one included: its key pairs go
+    by absolute position) gives a verify row exactly the bits of a decode row at its position,
+    across segment boundaries and in a batch of 9 sequences or alone."""
+    from specserve.kernels.cpu_paged import CpuPagedAttention
+
+    backend = CpuPagedAttention(form=form)
+    ctx = [260, 301, 513, 700, 129, 640, 384, 385, 12]
+    qlen = [5, 1, 3, 17, 2, 1, 4, 1, 5]
+    case = _attention_case(25, qlen, ctx, window, torch.bfloat16, 32)
+    q, k, v, kc, vc, meta, _ = case
+    batch = backend.forward(q, k, v, kc, vc, meta, 0.2, window)
+    _assert_each_row_equals_its_decode(backend, case, batch, 0.2)

@@ -296,16 +296,18 @@ REWRITE = ("Rewrite in the past tense: The new library opens on Monday. The new 
 
 
 @pytest.mark.parametrize("quantization, kv_cache_dtype", [
-    ("auto", "auto"), ("int8", "auto"), ("int4", "auto"), ("auto", "float16")])
+    ("auto", "auto"), ("int8", "auto"), ("int4", "auto"), ("auto", "float16"),
+    ("auto", "bfloat16")])
 def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization, kv_cache_dtype):
     """Under every quantization of the built-in model (auto: its own Q4_1/Q8_0 blocks), and with
-    a float16 KV cache, n-gram speculation with a fixed k=4 gives token-for-token the plain
-    output: the verify pass is batch-invariant, so it scores each draft exactly as a one-row
-    step would."""
+    a float16 or bfloat16 KV cache, n-gram speculation with a fixed k=4 gives token-for-token
+    the plain output: the verify pass is batch-invariant, so it scores each draft exactly as a
+    one-row step would."""
     plain = _engine(None, quantization, "off", kv_cache_dtype=kv_cache_dtype)
     spec = _engine(None, quantization, "ngram", kv_cache_dtype=kv_cache_dtype)
     assert plain.quantization == ("gguf" if quantization == "auto" else quantization)
-    want_kv = torch.float16 if kv_cache_dtype == "float16" else torch.float32
+    want_kv = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_cache_dtype,
+                                                                          torch.float32)
     assert plain.runner.kv_cache.dtype == spec.runner.kv_cache.dtype == want_kv
     questions = [REWRITE, "List three uses of a paperclip.", "Write a haiku about the sea."]
     prompts = [plain.encode(plain.render_chat([{"role": "user", "content": q}]))
@@ -326,10 +328,12 @@ def test_float16_kv_cache_needs_the_cpp_attention():
     from specserve.config import EngineConfig
     from specserve.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="kv-cache-dtype must be auto, float32 or float16"):
+    with pytest.raises(ConfigError,
+                       match="kv-cache-dtype must be auto, float32, float16 or bfloat16"):
         EngineConfig(kv_cache_dtype="fp8")
-    with pytest.raises(ConfigError, match="needs the C[+][+] CPU attention"):
-        _engine(None, "none", "off", kv_cache_dtype="float16")
+    for dtype in ("float16", "bfloat16"):
+        with pytest.raises(ConfigError, match="needs the C[+][+] CPU attention"):
+            _engine(None, "none", "off", kv_cache_dtype=dtype)
 
 
 def test_quantized_hf_folder_speculation_equals_plain(text_model):

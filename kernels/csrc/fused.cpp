@@ -18,10 +18,27 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+// A bfloat16 cache element (its 16 bits; a type of its own so the loads below overload on it).
+struct bf16_t {
+  uint16_t bits;
+};
+
+// float32 -> bfloat16 bits, rounded to nearest even (what torch's .to(torch.bfloat16) gives for
+// finite values), 8 at a time with integer ops: any AVX2 CPU writes the same cache.
+inline __m128i to_bf16x8(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
 
 inline float hsum8(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -167,11 +184,26 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
               "slot_mapping must be int64 [T]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
-              "k and v caches must both be float32 or both float16");
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf ||
+                   k_cache.scalar_type() == at::kBFloat16),
+              "k and v caches must both be float32, both float16 or both bfloat16");
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const int64_t* sm = slot_mapping.data_ptr<int64_t>();
   const int64_t row = KVH * D;
+  if (k_cache.scalar_type() == at::kBFloat16) {  // rounded to nearest even, 8 at a time
+    auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
+    auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
+    for (int64_t t = 0; t < T; ++t) {
+      if (sm[t] < 0) continue;
+      for (int64_t i = 0; i < row; i += 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(kc + sm[t] * row + i),
+                         to_bf16x8(_mm256_loadu_ps(kp + t * k.stride(0) + i)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(vc + sm[t] * row + i),
+                         to_bf16x8(_mm256_loadu_ps(vp + t * v.stride(0) + i)));
+      }
+    }
+    return;
+  }
   if (k_cache.scalar_type() == at::kHalf) {  // rounded to nearest even, 8 at a time (D % 8 == 0)
     auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
     auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
@@ -199,6 +231,10 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const bf16_t* p) {  // bfloat16 is float32's top half: exact
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
 // One query row against 8 keys: 8 independent FMA chains over D, then one reduction tree that
@@ -299,6 +335,10 @@ SPECSERVE_TARGET_AVX512 inline __m512 load16(const float* p) { return _mm512_loa
 SPECSERVE_TARGET_AVX512 inline __m512 load16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+SPECSERVE_TARGET_AVX512 inline __m512 load16(const bf16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 
 // As score8: 8 FMA chains over D, 16 lanes each; each chain's two 8-lane halves added, then
 // score8's reduction tree.
@@ -378,19 +418,173 @@ SPECSERVE_TARGET_AVX512 void weigh_heads_512(int g, const float* const* p,
   }
 }
 
+// The AVX-512 BF16 form (isa 2, bfloat16 caches, head_dim a multiple of 32): vdpbf16ps takes 32
+// bfloat16 products per instruction where an FMA takes 16 float32 ones, so a verify's attention
+// (compute-bound: every extra row costs its arithmetic on these CPUs) runs about half the
+// multiply instructions. Scores: the query row rounded to bfloat16 once, dotted with the cached
+// keys, float32 sums, score8_512's reduction (a 16-key transposing tree of adds measured slower
+// on Zen 5). Weighted values: each weight
+// exp(s - max) rounded to bfloat16 (and the row's sum taken over the rounded weights, so they
+// still sum to one), two keys per instruction: keys pair by absolute position (2i, 2i + 1), a
+// pair's key outside the row's range weighs zero, and every chunk and segment boundary falls on
+// an even position, so a row's bits depend on its own keys only, in any call.
+#define SPECSERVE_TARGET_BF16 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+alignas(64) const bf16_t kZeroRow[256] = {};  // the value row of a pair's missing key
+
+// exp256's operations on 16 lanes (each lane the same value exp256 gives).
+SPECSERVE_TARGET_BF16 inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  __m512 n = _mm512_roundscale_ps(
+      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  x = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  const float c[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                     5.0000001201e-1f};
+  for (float ci : c) y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(ci));
+  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, _mm512_mul_ps(x, x)), x), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+SPECSERVE_TARGET_BF16 inline __m512bh load_bh(const void* p) {
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+// score8_512 with bfloat16 products: q (the row's bfloat16 bits) against 8 key rows.
+SPECSERVE_TARGET_BF16 inline __m256 score8_dot(const uint16_t* q, const bf16_t* const* k,
+                                               int64_t D, float scale) {
+  __m512 a[8];
+  for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 32) {
+    const __m512bh qv = load_bh(q + i);
+    for (int u = 0; u < 8; ++u) a[u] = _mm512_dpbf16_ps(a[u], qv, load_bh(k[u] + i));
+  }
+  __m256 h[8];
+  for (int u = 0; u < 8; ++u)
+    h[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[u]), 1)));
+  const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
+                                   _mm256_permute2f128_ps(g0, g1, 0x31));
+  return _mm256_mul_ps(sum, _mm256_set1_ps(scale));
+}
+
+SPECSERVE_TARGET_BF16 void score_row_dot(const uint16_t* q, const bf16_t* const* keys,
+                                         int64_t a0, int64_t z, int64_t D, float scale,
+                                         float* sr) {
+  for (int64_t j = a0; j < z; j += 8) {
+    const bf16_t* k8[8];
+    for (int u = 0; u < 8; ++u) k8[u] = keys[std::min(j + u, z - 1)];
+    store_scores(score8_dot(q, k8, D, scale), j, z, sr);
+  }
+}
+
+// The row's query (float32) as bfloat16 bits, rounded to nearest even.
+SPECSERVE_TARGET_BF16 void round_row_bf16(const float* q, int64_t D, uint16_t* out) {
+  for (int64_t i = 0; i < D; i += 32)
+    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + i + 16),
+                                                              _mm512_loadu_ps(q + i)));
+}
+
+// p[a0..z) = bfloat16(exp(s - mx)) (bits), 16 lanes from a0 (the tail masked); returns the sum
+// of the rounded weights: lane sums, then _mm512_reduce_add_ps's fixed tree.
+SPECSERVE_TARGET_BF16 float softmax_row_bf16(const float* s, int64_t a0, int64_t z, float mx,
+                                             uint16_t* p) {
+  const __m512 mv = _mm512_set1_ps(mx);
+  __m512 sv = _mm512_setzero_ps();
+  for (int64_t j = a0; j < z; j += 16) {
+    const __mmask16 mask = z - j >= 16 ? 0xFFFF : (__mmask16)((1u << (z - j)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), mv));
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(e);
+    const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+    sv = _mm512_mask_add_ps(sv, mask, sv, w);
+    _mm256_mask_storeu_epi16(p + j, mask, b);
+  }
+  return _mm512_reduce_add_ps(sv);
+}
+
+// acc[g][0, D) (+)= sum over key pairs (j, j + 1), j even, covering [a0, z), of p[g][j] v_j +
+// p[g][j + 1] v_{j + 1} (one vdpbf16ps per 16 dims; the caller zeroed the weight of a pair's key
+// outside [a0, z)). 32 dims at a time: unpacking two value rows interleaves them as vdpbf16ps
+// pairs them, with the dims permuted (lo: 0-3, 8-11, 16-19, 24-27; hi: the rest), undone on the
+// way out of the registers.
+template <int G>
+SPECSERVE_TARGET_BF16 void weigh_rows_dot(const uint16_t* const* p, const bf16_t* const* vals,
+                                          int64_t a0, int64_t z, int64_t D, float* const* acc,
+                                          bool resume) {
+  static const __m512i in_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24,
+                                                 25, 26, 27);
+  static const __m512i in_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                                                 29, 30, 31);
+  static const __m512i out0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
+                                                22, 23);
+  static const __m512i out1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
+                                                29, 30, 31);
+  const int64_t pa = a0 & ~int64_t{1}, pz = z > a0 ? (z + 1) & ~int64_t{1} : pa;
+  for (int64_t b = 0; b < D; b += 32) {
+    __m512 lo[G], hi[G];
+    for (int g = 0; g < G; ++g) {
+      if (resume) {
+        const __m512 t0 = _mm512_loadu_ps(acc[g] + b), t1 = _mm512_loadu_ps(acc[g] + b + 16);
+        lo[g] = _mm512_permutex2var_ps(t0, in_lo, t1);
+        hi[g] = _mm512_permutex2var_ps(t0, in_hi, t1);
+      } else {
+        lo[g] = hi[g] = _mm512_setzero_ps();
+      }
+    }
+    for (int64_t j = pa; j < pz; j += 2) {
+      const __m512i x = _mm512_loadu_si512(vals[j] + b), y = _mm512_loadu_si512(vals[j + 1] + b);
+      const __m512bh ul = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      const __m512bh uh = (__m512bh)_mm512_unpackhi_epi16(x, y);
+      for (int g = 0; g < G; ++g) {
+        uint32_t pair;
+        std::memcpy(&pair, p[g] + j, sizeof pair);
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+        lo[g] = _mm512_dpbf16_ps(lo[g], pp, ul);
+        hi[g] = _mm512_dpbf16_ps(hi[g], pp, uh);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      _mm512_storeu_ps(acc[g] + b, _mm512_permutex2var_ps(lo[g], out0, hi[g]));
+      _mm512_storeu_ps(acc[g] + b + 16, _mm512_permutex2var_ps(lo[g], out1, hi[g]));
+    }
+  }
+}
+
+SPECSERVE_TARGET_BF16 void weigh_heads_dot(int g, const uint16_t* const* p,
+                                           const bf16_t* const* vals, int64_t a0, int64_t z,
+                                           int64_t D, float* const* acc, bool resume) {
+  switch (g) {
+    case 1: return weigh_rows_dot<1>(p, vals, a0, z, D, acc, resume);
+    case 2: return weigh_rows_dot<2>(p, vals, a0, z, D, acc, resume);
+    case 3: return weigh_rows_dot<3>(p, vals, a0, z, D, acc, resume);
+    default: return weigh_rows_dot<4>(p, vals, a0, z, D, acc, resume);
+  }
+}
+
 // Attention kernels (paged_attention's ``form``) = 1024 * seg + 64 * isa + tile: isa 0 AVX2 (any
-// CPU the extension runs on) or 1 AVX-512 (AVX-512F, D a multiple of 16); tile 1..32 query
+// CPU the extension runs on), 1 AVX-512 (AVX-512F, D a multiple of 16) or 2 AVX-512 BF16
+// (bfloat16 caches, D a multiple of 32: bfloat16 products, see weigh_rows_dot); tile 1..32 query
 // positions per work item; seg 0 (each row's keys in one run) or 1..3 (keys in segments of
 // 64 << seg absolute positions, folded in order: see attend). The ISAs and the segment sizes sum in
 // different orders, so a process passes one form for every call (kernels/attention_form.py
 // measures which is fastest here); tiles, and which thread computes which segment, change no bits.
 constexpr int64_t kMaxSeg = 3;
 
-bool attention_form_supported(int64_t form, int64_t D) {
+bool attention_form_supported(int64_t form, int64_t D, bool bf16_cache) {
   const int64_t seg = form / 1024, isa = form % 1024 / 64, tile = form % 64;
   if (form < 0 || tile < 1 || tile > kMaxTile || seg > kMaxSeg) return false;
   if (isa == 0) return true;
-  return isa == 1 && D % 16 == 0 && __builtin_cpu_supports("avx512f");
+  if (isa == 1) return D % 16 == 0 && __builtin_cpu_supports("avx512f");
+  return isa == 2 && bf16_cache && D % 32 == 0 && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bf16");
 }
 
 inline float exp1(float x) { return _mm256_cvtss_f32(exp256(_mm256_set1_ps(x))); }
@@ -404,7 +598,8 @@ struct AttendCall {
   const int64_t *sq, *ps;
   int64_t H, KVH, D, bs, maxb, group, window;
   float scale;
-  bool wide;
+  bool wide;  // isa 1 or 2: the 16-lane loops
+  bool dot;   // isa 2: bfloat16 products (bfloat16 caches only)
   int64_t lo(int64_t t) const { return window > 0 ? std::max<int64_t>(0, ps[t] - window + 1) : 0; }
 };
 
@@ -413,6 +608,7 @@ template <typename T>
 struct AttendScratch {
   std::vector<float> scores;
   std::vector<const T*> keys, vals;
+  std::vector<uint16_t> qb, pb;  // the dot form's bfloat16 query rows and weights
 };
 
 // One work item: query rows of positions [t0, t0 + nt) of one sequence (a tile) x the query heads
@@ -513,6 +709,88 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
   }
 }
 
+// attend_keys of the bfloat16-dot form (see weigh_rows_dot): key arrays from the even position
+// at or below ka to the odd one at or above kb, positions outside [ka, kb] reading a zero row.
+void attend_keys_dot(const AttendCall<bf16_t>& c, int64_t t0, int64_t nt, int64_t kvh,
+                     int64_t ka, int64_t kb, AttendScratch<bf16_t>& w, float* m, float* l,
+                     float* acc) {
+  const int64_t D = c.D, sub = c.group, R = nt * sub, hbase = kvh * c.group;
+  const int32_t* table = c.bt + c.sq[t0] * c.maxb;
+  int64_t lo[kMaxTile], hi[kMaxTile];
+  for (int64_t r = 0; r < nt; ++r) {
+    lo[r] = std::max(c.lo(t0 + r), ka);
+    hi[r] = std::min(c.ps[t0 + r], kb);
+  }
+  const int64_t jlo = ka & ~int64_t{1}, span = (kb | 1) - jlo + 1;
+  w.scores.resize(R * span);
+  w.pb.resize(R * span);
+  w.qb.resize(R * D);
+  w.keys.resize(span);
+  w.vals.resize(span);
+  for (int64_t j = jlo; j < jlo + span; ++j) {
+    if (j < ka || j > kb) {
+      w.keys[j - jlo] = w.vals[j - jlo] = kZeroRow;
+      continue;
+    }
+    const int64_t slot = (int64_t)table[j / c.bs] * c.bs + j % c.bs;
+    w.keys[j - jlo] = c.kp + (slot * c.KVH + kvh) * D;
+    w.vals[j - jlo] = c.vp + (slot * c.KVH + kvh) * D;
+  }
+  for (int64_t x = 0; x < R; ++x)
+    round_row_bf16(c.qp + ((t0 + x / sub) * c.H + hbase + x % sub) * D, D, w.qb.data() + x * D);
+  for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
+    const int64_t c1 = std::min(span, c0 + kChunk);
+    for (int64_t x = 0; x < R; ++x) {
+      const int64_t r = x / sub;
+      const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
+      score_row_dot(w.qb.data() + x * D, w.keys.data(), a0, z, D, c.scale,
+                    w.scores.data() + x * span);
+    }
+  }
+  for (int64_t x = 0; x < R; ++x) {
+    const int64_t r = x / sub;
+    const int64_t a0 = lo[r] - jlo, z = hi[r] - jlo + 1;
+    if (z <= a0) {
+      m[x] = -INFINITY;
+      l[x] = 0.0f;
+      continue;
+    }
+    const float* sr = w.scores.data() + x * span;
+    uint16_t* pr = w.pb.data() + x * span;
+    m[x] = max_of(sr, a0, z);
+    l[x] = softmax_row_bf16(sr, a0, z, m[x], pr);
+    if (a0 & 1) pr[a0 - 1] = 0;  // the other key of a boundary pair weighs zero
+    if (z & 1) pr[z] = 0;
+  }
+  for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
+    const int64_t c1 = std::min(span, c0 + kChunk);
+    for (int64_t r = 0; r < nt; ++r) {
+      const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
+      if (z <= a0 && c0 > 0) continue;
+      for (int64_t h0 = 0; h0 < sub; h0 += 4) {
+        const int g = static_cast<int>(std::min<int64_t>(4, sub - h0));
+        const uint16_t* p4[4];
+        float* a4[4];
+        for (int u = 0; u < g; ++u) {
+          p4[u] = w.pb.data() + (r * sub + h0 + u) * span;
+          a4[u] = acc + (r * sub + h0 + u) * D;
+        }
+        weigh_heads_dot(g, p4, w.vals.data(), a0, z, D, a4, c0 > 0);
+      }
+    }
+  }
+}
+
+// One work item in the call's form.
+template <typename T>
+void attend_item(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, int64_t ka,
+                 int64_t kb, AttendScratch<T>& w, float* m, float* l, float* acc) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    if (c.dot) return attend_keys_dot(c, t0, nt, kvh, ka, kb, w, m, l, acc);
+  }
+  attend_keys(c, t0, nt, kvh, ka, kb, w, m, l, acc);
+}
+
 // Row state (m, l, acc) folded with a later segment's (ms, ls, as), segments in key order: the
 // same float ops wherever and in whatever call the segments were computed. An empty segment
 // (ms = -inf) is skipped; an empty state takes the segment as it is.
@@ -546,7 +824,7 @@ inline void fold(float& m, float& l, float* acc, float ms, float ls, const float
 template <typename T>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_of,
-                  const at::Tensor& pos_of, double scale, int64_t window, bool wide,
+                  const at::Tensor& pos_of, double scale, int64_t window, int64_t isa,
                   int64_t tile, int64_t seg_len) {
   const int64_t num_rows = q.size(0), H = q.size(1), D = q.size(2);
   const AttendCall<T> c{q.data_ptr<float>(),
@@ -556,7 +834,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                         seq_of.data_ptr<int64_t>(),
                         pos_of.data_ptr<int64_t>(),
                         H, k_cache.size(2), D, k_cache.size(1), block_tables.size(1),
-                        H / k_cache.size(2), window, (float)scale, wide};
+                        H / k_cache.size(2), window, (float)scale, isa >= 1, isa == 2};
   const int64_t KVH = c.KVH, group = c.group;
   const int64_t* sq = c.sq;
   const int64_t* ps = c.ps;
@@ -630,7 +908,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         l.resize(R);
         acc.resize(R * D);
         const auto [ka, kb] = seg_range(i, 0);
-        attend_keys(c, t0, nt, kvh, ka, kb, w, m.data(), l.data(), acc.data());
+        attend_item(c, t0, nt, kvh, ka, kb, w, m.data(), l.data(), acc.data());
         if (nseg[i] > 1) {
           ms.resize(R);
           ls.resize(R);
@@ -638,7 +916,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         }
         for (int64_t s = 1; s < nseg[i]; ++s) {
           const auto [sa, sb] = seg_range(i, s);
-          attend_keys(c, t0, nt, kvh, sa, sb, w, ms.data(), ls.data(), as.data());
+          attend_item(c, t0, nt, kvh, sa, sb, w, ms.data(), ls.data(), as.data());
           for (int64_t x = 0; x < R; ++x)
             fold(m[x], l[x], acc.data() + x * D, ms[x], ls[x], as.data() + x * D, D);
         }
@@ -691,7 +969,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         const int64_t t0 = tile_start[i], nt = tile_start[i + 1] - t0, R = nt * group;
         float* p = part(gs, kvh);
         const auto [ka, kb] = seg_range(i, gs - first[i]);
-        attend_keys(c, t0, nt, kvh, ka, kb, w, p, p + R, p + 2 * R);
+        attend_item(c, t0, nt, kvh, ka, kb, w, p, p + R, p + 2 * R);
       }
   });
   at::parallel_for(0, n_tiles * KVH, 1, [&](int64_t b, int64_t e) {
@@ -717,25 +995,30 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [T, H, D] tensor");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf ||
+                   k_cache.scalar_type() == at::kBFloat16) &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be contiguous, both float32 or both float16");
+              "caches must be contiguous, both float32, both float16 or both bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "block_tables must be contiguous int32");
   const int64_t D = q.size(2), group = q.size(1) / k_cache.size(2);
   TORCH_CHECK(D % 8 == 0 && D <= 256 && group <= 32, "head_dim must be a multiple of 8, at "
               "most 256, and at most 32 query heads per KV head (got ", D, ", ", group,
               "); use --attention-backend torch");
-  TORCH_CHECK(attention_form_supported(form, D), "attention form ", form, " does not run here ",
-              "(1024 * seg + 64 * isa + tile, tile 1..", kMaxTile, ", seg 0..", kMaxSeg,
-              "; isa 0 AVX2, 1 AVX-512F with head_dim a multiple of 16, got ", D, ")");
-  const bool wide = form % 1024 / 64 == 1;
-  const int64_t tile = form % 64, seg = form / 1024;
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(attention_form_supported(form, D, bf16), "attention form ", form,
+              " does not run here (1024 * seg + 64 * isa + tile, tile 1..", kMaxTile, ", seg 0..",
+              kMaxSeg, "; isa 0 AVX2, 1 AVX-512F with head_dim a multiple of 16, 2 AVX-512 BF16 "
+              "with a bfloat16 cache and head_dim a multiple of 32; got head_dim ", D, ")");
+  const int64_t isa = form % 1024 / 64, tile = form % 64, seg = form / 1024;
   const int64_t seg_len = seg > 0 ? int64_t{64} << seg : 0;
+  if (bf16)
+    return attend<bf16_t>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window, isa,
+                          tile, seg_len);
   if (k_cache.scalar_type() == at::kHalf)
     return attend<uint16_t>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window,
-                            wide, tile, seg_len);
-  return attend<float>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window, wide,
+                            isa, tile, seg_len);
+  return attend<float>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window, isa,
                        tile, seg_len);
 }
 
@@ -868,5 +1151,6 @@ void register_fused(pybind11::module& mod) {
   mod.def("write_kv", &write_kv);
   mod.def("attention_form_supported", &attention_form_supported,
           "True when paged_attention's form (1024 * seg + 64 * isa + tile) runs here for "
-          "head_dim D");
+          "head_dim D and a bfloat16 (else float32 or float16) cache",
+          pybind11::arg("form"), pybind11::arg("head_dim"), pybind11::arg("bf16_cache") = false);
 }
