@@ -46,6 +46,11 @@ def form(isa: int, tile: int, seg: int = 0) -> int:
     return 1024 * seg + 64 * isa + tile
 
 
+def has_bf16_products(head_dim: int) -> bool:
+    """Whether this CPU runs the bfloat16-product form for ``head_dim`` (AVX-512 BF16)."""
+    return any(f % 1024 // 64 == BF16_DOT for f in supported_forms(head_dim, torch.bfloat16))
+
+
 def for_float32_caches(f: int) -> int:
     """The form to run on float32 / float16 caches beside a process's bfloat16-product form
     (a draft model's or an EAGLE head's own cache): the same tile and segments, AVX-512."""

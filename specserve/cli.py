@@ -56,8 +56,9 @@ _ENGINE_FLAGS: dict[str, tuple[str, type]] = {
                         "memory)", int),
     "num_kv_blocks": ("exact number of KV blocks (overrides --kv-cache-memory)", int),
     "kv_cache_dtype": ("auto | float32 | float16 | bfloat16: the target's KV cache elements "
-                       "(auto: the model dtype; float16 and bfloat16 halve the bytes attention "
-                       "reads, C++ CPU attention of a quantized model only)", str),
+                       "(auto: bfloat16 for a quantized model on a CPU with AVX-512 BF16, else "
+                       "the model dtype; float16 and bfloat16 halve the bytes attention reads, "
+                       "C++ CPU attention of a quantized model only)", str),
     "attention_backend": ("auto | torch | sdpa | triton | flash_attn (auto: best available)", str),
     "seed": ("seed for requests that give none", int),
     "num_threads": ("torch CPU threads (default: torch's choice)", int),

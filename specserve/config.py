@@ -47,7 +47,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int = 512
     # bytes for the KV pool; None = 2 GiB on CPU, 90% of free memory on GPU
     kv_cache_memory: int | None = None
-    # auto | float32 | float16 | bfloat16: the target's KV cache elements. auto: the model dtype.
+    # auto | float32 | float16 | bfloat16: the target's KV cache elements. auto: bfloat16 for the
+    # C++ CPU attention on CPUs with bfloat16 dot products (AVX-512 BF16), else the model dtype.
     # float16 / bfloat16 halve the bytes attention reads per key (llama.cpp's default is float16;
     # bfloat16 also runs bfloat16 products where the CPU has them); the C++ CPU attention only
     kv_cache_dtype: str = "auto"

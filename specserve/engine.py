@@ -20,7 +20,11 @@ from specserve.config import EngineConfig
 from specserve.draft.eagle_head import EagleHead, EagleRunner, is_eagle_dir, load_head
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.kernels import quant_ext
-from specserve.kernels.attention_form import choose_form, for_float32_caches
+from specserve.kernels.attention_form import (
+    choose_form,
+    for_float32_caches,
+    has_bf16_products,
+)
 from specserve.kernels.metadata import AttentionMetadata, token_positions
 from specserve.kernels.registry import get_attention_backend
 from specserve.kernels.tuner import KernelTuner, TuneTable, default_row_counts
@@ -192,8 +196,14 @@ class LLMEngine:
 
     def _resolve_kv_dtype(self, backend: str) -> torch.dtype:
         """The target's KV cache dtype: the model's, or float16 / bfloat16 where the C++
-        attention reads it (kernels/cpu_paged.py)."""
+        attention reads it (kernels/cpu_paged.py). ``auto`` takes bfloat16 there when the CPU has
+        bfloat16 dot products (the attention's cheapest form: half the bytes read per key and
+        half the multiply instructions; llama.cpp's default cache is float16 for the same
+        reason), else the model's dtype."""
         choice = self.config.kv_cache_dtype
+        if (choice == "auto" and backend == "cpu_paged" and self.device.type == "cpu"
+                and has_bf16_products(self.model_config.head_dim)):
+            return torch.bfloat16
         if choice in ("float16", "bfloat16"):
             if backend != "cpu_paged" or self.device.type != "cpu":
                 raise ConfigError(

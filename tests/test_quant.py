@@ -306,8 +306,11 @@ def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization, kv
     plain = _engine(None, quantization, "off", kv_cache_dtype=kv_cache_dtype)
     spec = _engine(None, quantization, "ngram", kv_cache_dtype=kv_cache_dtype)
     assert plain.quantization == ("gguf" if quantization == "auto" else quantization)
-    want_kv = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_cache_dtype,
-                                                                          torch.float32)
+    from specserve.kernels.attention_form import has_bf16_products
+
+    # auto: bfloat16 where the CPU has bfloat16 dot products (the C++ attention's fastest form)
+    auto_kv = torch.bfloat16 if has_bf16_products(64) else torch.float32
+    want_kv = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(kv_cache_dtype, auto_kv)
     assert plain.runner.kv_cache.dtype == spec.runner.kv_cache.dtype == want_kv
     questions = [REWRITE, "List three uses of a paperclip.", "Write a haiku about the sea."]
     prompts = [plain.encode(plain.render_chat([{"role": "user", "content": q}]))
