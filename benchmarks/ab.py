@@ -4,7 +4,7 @@ proposer, on the same model, prompts, dtype and greedy settings. Writes a RESULT
     python benchmarks/ab.py [--model PATH] [--draft-model PATH] [--prompts rewrite]
         [--num-prompts N] [--new-tokens 96] [--k 4] [--suffix-k 16] [--batch-sizes 1,8]
         [--repeats 3] [--modes off,ngram,suffix,auto] [--fixed-k] [--num-threads N]
-        [--kv-cache-dtype auto] [--no-write]
+        [--kv-cache-dtype auto] [--stream-requests N] [--no-write]
 
 ``--k`` is k_max of n-gram and draft-model speculation; suffix and auto get their own k_max,
 ``--suffix-k`` (the server's ``--suffix-speculative-tokens``): a long suffix match drafts long.
@@ -15,7 +15,9 @@ with an empty suffix cache (so no mode drafts from another mode's or repeat's ou
 run, later requests do learn from earlier ones, as a server would).
 
 Batch 1 runs every prompt alone, one after another; batch B runs one closed batch of B requests
-cycling through the prompts.
+cycling through the prompts, or with ``--stream-requests N`` B streams over B x N requests: a
+request that ends frees its slot for the next at once (what a server under B client streams
+sees; in a closed wave a sequence that speculation finishes early frees nothing).
 
 Before measuring, every mode runs once on the first prompt and every prompt is prefilled once,
 so first-use costs and cold prefix-cache prefills fall on no mode's first repeat.
@@ -41,6 +43,7 @@ sys.path.insert(0, str(ROOT.parent))
 from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
+from specserve.outputs import OutputMerger  # noqa: E402
 from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 
 
@@ -63,7 +66,34 @@ def run(engine, waves, params, method, k):
     outs = []
     for prompts in waves:
         outs += engine.generate(prompts, params, SpeculativeParams(method=method, num_tokens=k))
-    dt = time.perf_counter() - t0
+    return _summary(outs, time.perf_counter() - t0)
+
+
+def run_streams(engine, prompts, streams, params, method, k):
+    """``streams`` requests in flight until ``prompts`` run out: a finished request's slot takes
+    the next prompt at once, as a server under that many client streams sees it."""
+    engine.clear_speculation_caches()
+    spec = SpeculativeParams(method=method, num_tokens=k)
+    pending = list(prompts)
+    merged: dict[str, OutputMerger] = {}
+
+    def submit() -> None:
+        rid = f"ab-stream-{len(merged)}"
+        merged[rid] = OutputMerger()
+        engine.add_request(rid, pending.pop(0), params, spec)
+
+    t0 = time.perf_counter()
+    while pending and len(merged) < streams:
+        submit()
+    while engine.has_unfinished():
+        for out in engine.step():
+            merged[out.request_id].add(out)
+            if out.finished and pending:
+                submit()
+    return _summary([m.take() for m in merged.values()], time.perf_counter() - t0)
+
+
+def _summary(outs, dt: float) -> dict:
     tokens = sum(o.num_output_tokens for o in outs)
     drafted = sum(o.timings.num_drafted for o in outs)
     accepted = sum(o.timings.num_accepted for o in outs)
@@ -97,6 +127,9 @@ def main() -> int:
                          "and draft when a draft model is given)")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", help="the server's --kv-cache-dtype")
+    ap.add_argument("--stream-requests", type=int, default=0,
+                    help="batch B > 1 as B streams over B x N requests (N = this), each slot "
+                         "refilled as its request ends; 0: one closed wave of B")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
@@ -124,10 +157,14 @@ def main() -> int:
         # Single stream: every prompt alone, one after another. A batch: one closed batch of
         # bsz requests cycling through the prompts.
         waves = [[c] for c in chats] if bsz == 1 else [[chats[i % len(chats)] for i in range(bsz)]]
+        streamed = [chats[i % len(chats)] for i in range(bsz * args.stream_requests)]
         per_mode: dict[str, list[dict]] = {m: [] for m in modes}
         for _ in range(args.repeats):
             for m in modes:
-                per_mode[m].append(run(engine, waves, params, m, None))
+                if bsz > 1 and streamed:
+                    per_mode[m].append(run_streams(engine, streamed, bsz, params, m, None))
+                else:
+                    per_mode[m].append(run(engine, waves, params, m, None))
         ref = per_mode["off"][0]["ids"]
         for m in modes:
             if any(r["ids"] != ref for r in per_mode[m]):
@@ -167,7 +204,11 @@ def main() -> int:
         f", greedy, {args.new_tokens} new tokens, prompts "
         f"{source.relative_to(ROOT.parent)} ({len(chats)} prompts), k_max {args.k} "
         f"(suffix and auto {args.suffix_k}), "
-        f"adaptive k {not args.fixed_k}, {args.repeats} interleaved repeats. "
+        f"adaptive k {not args.fixed_k}, {args.repeats} interleaved repeats"
+        + (f"; batch B as B streams over B x {args.stream_requests} requests (each slot "
+           "refilled as its request ends)" if args.stream_requests else
+           "; batch B as one closed wave of B requests")
+        + ". "
         f"Outputs identical to plain decoding: {not failures}.",
         lines,
     )

@@ -2,12 +2,16 @@
 
     python benchmarks/attention_cost.py [--model PATH] [--contexts 500,1000,2000]
         [--rows 1,8,17] [--repeats 7] [--num-threads N] [--form N] [--baseline-key KEY]
-        [--no-write]
+        [--kv-cache-dtypes float32,bfloat16] [--no-write]
 
 One sequence, ``rows`` query rows at the last positions of a ``context``-token cache (a decode
 step is 1 row, a k-draft verify k + 1), every layer's attention once per pass with its own
 random cache (as cold as in a real forward), median of ``--repeats``. A verify's extra rows cost
 what this shows on top of the projections' (``benchmarks/kernel_forms.py``).
+
+``--kv-cache-dtypes A,B``: the same caches stored in each dtype, each read by the form the
+engine measures for it (bfloat16 may take the bfloat16-product form), passes alternating; the
+table gives each dtype's time and its speedup over the first.
 
 ``--baseline-key KEY``: also time the extension an earlier checkout built (its
 ``specserve.kernels.quant_ext.build_key()``; the build is cached under
@@ -48,6 +52,57 @@ def cached_extension(key: str):
     return load_extension(f"specserve_qgemm_{key}", [], built.parent, [])
 
 
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _compare_dtypes(args, path: str, ext, shape: tuple[int, int, int, int, int],
+                    dtypes: list[torch.dtype], contexts: list[int], rows_list: list[int]) -> int:
+    """One table row per (context, rows): each dtype's time with its own measured form, passes
+    alternating, and its speedup over the first dtype."""
+    from specserve.kernels.attention_form import choose_form, query_rows, synthetic_caches
+
+    H, KVH, D, L, bs = shape
+    forms = {d: choose_form(H, KVH, D, cache_root() / "tune", cache_dtype=d) for d in dtypes}
+    headers = ["context", "rows", *[f"{_name(d)} ms (form {forms[d]})" for d in dtypes],
+               *[f"{_name(d)} speedup" for d in dtypes[1:]]]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    with torch.inference_mode():
+        for ctx in contexts:
+            caches, table = synthetic_caches(KVH, D, L, ctx, bs)
+            stored = {d: [(k.to(d), v.to(d)) for k, v in caches] for d in dtypes}
+            for rows in rows_list:
+                q, seq_of, pos_of = query_rows(H, D, ctx, rows)
+                samples: dict[torch.dtype, list[float]] = {d: [] for d in dtypes}
+                for rep in range(args.repeats + 1):
+                    for d in dtypes if rep % 2 else dtypes[::-1]:
+                        t0 = time.perf_counter()
+                        for k, v in stored[d]:
+                            ext.paged_attention(q, k, v, table, seq_of, pos_of, D ** -0.5, 0,
+                                                forms[d])
+                        if rep:  # the first pass warms up
+                            samples[d].append(time.perf_counter() - t0)
+                ms = {d: statistics.median(samples[d]) * 1e3 for d in dtypes}
+                cells = [str(ctx), str(rows), *[f"{ms[d]:.2f}" for d in dtypes],
+                         *[f"{ms[dtypes[0]] / ms[d]:.2f}x" for d in dtypes[1:]]]
+                lines.append("| " + " | ".join(cells) + " |")
+                print(lines[-1], flush=True)
+    heading = "## Paged attention cost by KV cache dtype"
+    section = results_section(
+        heading, run_info(sys.argv[1:], program="python benchmarks/attention_cost.py"),
+        f"Model `{Path(path).name}`: {L} layers, {H} query heads, {KVH} KV heads, head_dim {D}, "
+        f"block size {bs}; the same random caches stored as {', '.join(map(_name, dtypes))}, "
+        "each read by the attention form the engine measures for it; one sequence, its rows at "
+        f"the last positions; all layers once per pass, median of {args.repeats}, passes "
+        "alternating between the dtypes.",
+        lines)
+    publish(heading, section, write=not args.no_write)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF or HF folder (default: built-in)")
@@ -59,6 +114,8 @@ def main() -> int:
     ap.add_argument("--baseline-key", default=None, help="an earlier build's key (see above)")
     ap.add_argument("--form", type=int, default=None,
                     help="attention form, 64 * isa + tile (default: the engine's measured one)")
+    ap.add_argument("--kv-cache-dtypes", default="float32",
+                    help="cache element types to compare (float32, float16, bfloat16)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     try:
@@ -69,6 +126,14 @@ def main() -> int:
         if not quant_ext.available():
             raise BenchError("the C++ kernels are not available on this machine")
         base = cached_extension(args.baseline_key) if args.baseline_key else None
+        dtypes = [_DTYPES.get(d) for d in parse_list(args.kv_cache_dtypes, str,
+                                                     "--kv-cache-dtypes")]
+        if None in dtypes:
+            raise BenchError(f"--kv-cache-dtypes takes {', '.join(_DTYPES)} "
+                             f"(got {args.kv_cache_dtypes!r})")
+        if len(dtypes) > 1 and (base is not None or args.form is not None):
+            raise BenchError("--kv-cache-dtypes with several dtypes uses each one's measured "
+                             "form: drop --form and --baseline-key")
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -90,10 +155,13 @@ def main() -> int:
         synthetic_caches,
     )
 
-    form = choose_form(H, KVH, D, cache_root() / "tune") if args.form is None else args.form
-    if form not in supported_forms(D):
-        print(f"error: --form {form} does not run here (supported: {supported_forms(D)})",
-              file=sys.stderr)
+    if len(dtypes) > 1:
+        return _compare_dtypes(args, path, ext, (H, KVH, D, L, bs), dtypes, contexts, rows_list)
+    form = choose_form(H, KVH, D, cache_root() / "tune", cache_dtype=dtypes[0]) \
+        if args.form is None else args.form
+    if form not in supported_forms(D, dtypes[0]):
+        print(f"error: --form {form} does not run here (supported: "
+              f"{supported_forms(D, dtypes[0])})", file=sys.stderr)
         return 2
 
     def this(*a: object) -> None:
@@ -111,7 +179,7 @@ def main() -> int:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     with torch.inference_mode():
         for ctx in contexts:
-            caches, table = synthetic_caches(KVH, D, L, ctx, bs)
+            caches, table = synthetic_caches(KVH, D, L, ctx, bs, dtype=dtypes[0])
             ms: dict[str, dict[int, float]] = {name: {} for name in runs}
             for rows in rows_list:
                 q, seq_of, pos_of = query_rows(H, D, ctx, rows)
@@ -142,7 +210,8 @@ def main() -> int:
     section = results_section(
         heading, run_info(sys.argv[1:], program="python benchmarks/attention_cost.py"),
         f"Model `{Path(path).name}`: {L} layers, {H} query heads, {KVH} KV heads, head_dim {D}, "
-        f"float32 paged cache (block size {bs}), attention form {form}; one sequence, its rows "
+        f"{_name(dtypes[0])} paged cache (block size {bs}), attention form {form}; one "
+        f"sequence, its rows "
         f"at the last positions; "
         f"all layers once per pass, median of {args.repeats}"
         + ("." if base is None else f"; baseline: build {args.baseline_key}, passes alternating "

@@ -14,6 +14,10 @@ import torch
 @pytest.mark.parametrize("script, args, message", [
     ("attention_cost.py", ["--baseline-key", "0000000000000000", "--no-write"], "no cached build"),
     ("attention_cost.py", ["--rows", "1,x", "--no-write"], "--rows takes a comma-separated"),
+    ("attention_cost.py", ["--kv-cache-dtypes", "float32,fp8", "--no-write"],
+     "--kv-cache-dtypes takes float32, float16, bfloat16"),
+    ("attention_cost.py", ["--kv-cache-dtypes", "float32,bfloat16", "--form", "8", "--no-write"],
+     "drop --form and --baseline-key"),
     ("kernel_forms.py", ["--rows", "two", "--no-write"], "--rows takes a comma-separated"),
     ("cpu_roofline.py", ["--rows", "1,200", "--contexts", "100", "--no-write"],
      "every --rows value must be <= every --contexts value"),
