@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT.parent))
 from benchmarks.report import publish, results_section, run_info  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine import LLMEngine  # noqa: E402
-from specserve.sampling_params import SamplingParams  # noqa: E402
+from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 
 PARAGRAPH = ("The committee met on Tuesday to review the budget, the schedule and the open "
              "questions about the new library. ")
@@ -38,8 +38,11 @@ def measure(engine: LLMEngine, context: int, steps: int) -> tuple[float, float]:
     """(prefill seconds, median decode step seconds) for one prompt of ``context`` tokens."""
     ids = (engine.encode(PARAGRAPH) * (context // 10 + 1))[:context]
     rid = f"ctx-{context}"
+    # Speculation off: the repeated paragraph is what n-gram and suffix drafts feed on, and a
+    # multi-token verify step is not the decode step this measures (auto is the default method).
     engine.add_request(rid, ids, SamplingParams(max_tokens=steps + 1, temperature=0.0,
-                                                ignore_eos=True))
+                                                ignore_eos=True),
+                       SpeculativeParams(method="off"))
     times: list[float] = []
     first = None
     while engine.has_unfinished():
