@@ -431,8 +431,6 @@ SPECSERVE_TARGET_AVX512 void weigh_heads_512(int g, const float* const* p,
 #define SPECSERVE_TARGET_BF16 \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")))
 
-alignas(64) const bf16_t kZeroRow[256] = {};  // the value row of a pair's missing key
-
 // exp256 on 16 lanes, as its two halves.
 SPECSERVE_TARGET_BF16 inline __m512 exp512(__m512 x) {
   const __m256 lo = exp256(_mm512_castps512_ps256(x));
@@ -605,10 +603,15 @@ struct AttendScratch {
 // of KV head kvh, against keys [ka, kb] (absolute positions; each row only its own [lo, hi]
 // within). Per query row x (position x / group, head x % group) it writes m[x], the max score
 // (-inf: the row has no key here), l[x] = sum of exp(s - m), and acc[x * D ..] = sum of
-// exp(s - m) v, keys in order.
+// exp(s - m) v, keys in order. The bfloat16-dot form (see weigh_rows_dot) takes its key arrays
+// from the even position at or below ka to the odd one at or above kb, positions outside
+// [ka, kb] reading a zero row.
 template <typename T>
 void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, int64_t ka,
                  int64_t kb, AttendScratch<T>& w, float* m, float* l, float* acc) {
+  constexpr bool kBf16 = std::is_same_v<T, bf16_t>;
+  alignas(64) static const T kZero[256] = {};  // D <= 256
+  const bool dot = kBf16 && c.dot;
   const int64_t D = c.D, sub = c.group, R = nt * sub, hbase = kvh * c.group;
   const int32_t* table = c.bt + c.sq[t0] * c.maxb;
   int64_t lo[kMaxTile], hi[kMaxTile];
@@ -616,16 +619,25 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
     lo[r] = std::max(c.lo(t0 + r), ka);
     hi[r] = std::min(c.ps[t0 + r], kb);
   }
-  const int64_t jlo = ka, span = kb - ka + 1;
+  const int64_t jlo = dot ? ka & ~int64_t{1} : ka, span = (dot ? kb | 1 : kb) - jlo + 1;
   w.scores.resize(R * span);
   w.keys.resize(span);
   w.vals.resize(span);
-  for (int64_t j = ka; j <= kb; ++j) {
+  for (int64_t j = jlo; j < jlo + span; ++j) {
+    if (j < ka || j > kb) {
+      w.keys[j - jlo] = w.vals[j - jlo] = kZero;
+      continue;
+    }
     const int64_t slot = (int64_t)table[j / c.bs] * c.bs + j % c.bs;
     w.keys[j - jlo] = c.kp + (slot * c.KVH + kvh) * D;
     w.vals[j - jlo] = c.vp + (slot * c.KVH + kvh) * D;
   }
   auto qrow = [&](int64_t x) { return c.qp + ((t0 + x / sub) * c.H + hbase + x % sub) * D; };
+  if (dot) {
+    w.pb.resize(R * span);
+    w.qb.resize(R * D);
+    for (int64_t x = 0; x < R; ++x) round_row_bf16(qrow(x), D, w.qb.data() + x * D);
+  }
   // Scores: each row against only its own keys, 8 keys at a time (score8); keys in chunks of
   // kChunk, so a chunk stays in L1 while every row of the item reads it.
   for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
@@ -634,6 +646,12 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
       const int64_t r = x / sub;
       const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
       float* sr = w.scores.data() + x * span;
+      if constexpr (kBf16) {
+        if (dot) {
+          score_row_dot(w.qb.data() + x * D, w.keys.data(), a0, z, D, c.scale, sr);
+          continue;
+        }
+      }
       if (c.wide)
         score_row_512(qrow(x), w.keys.data(), a0, z, D, c.scale, sr);
       else
@@ -641,7 +659,8 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
     }
   }
   // Per query row: max, p = exp(s - max) in place (8 lanes from its first key, then a fixed
-  // horizontal order and the tail), sum.
+  // horizontal order and the tail), sum. The dot form: p rounded to bfloat16 into pb, the sum
+  // over the rounded weights, and the other key of a boundary pair weighing zero.
   for (int64_t x = 0; x < R; ++x) {
     const int64_t r = x / sub;
     float* sr = w.scores.data() + x * span;
@@ -652,6 +671,14 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
       continue;
     }
     const float mx = max_of(sr, a0, z);
+    m[x] = mx;
+    if (dot) {
+      uint16_t* pr = w.pb.data() + x * span;
+      l[x] = softmax_row_bf16(sr, a0, z, mx, pr);
+      if (a0 & 1) pr[a0 - 1] = 0;
+      if (z & 1) pr[z] = 0;
+      continue;
+    }
     const __m256 mv = _mm256_set1_ps(mx);
     __m256 sv = _mm256_setzero_ps();
     int64_t j = a0;
@@ -665,11 +692,11 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
       sr[j] = _mm256_cvtss_f32(exp256(_mm256_set1_ps(sr[j] - mx)));
       sum = sum + sr[j];
     }
-    m[x] = mx;
     l[x] = sum;
   }
   // Weighted values: per row, its accumulators in registers, its keys in order; value rows in
-  // chunks as above (a row's accumulators go to memory between chunks: same numbers).
+  // chunks as above (a row's accumulators go to memory between chunks: same numbers). The
+  // 16-lane forms weigh up to 4 query heads of a position per value row loaded.
   const int64_t nv = D / 8;
   for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
     const int64_t c1 = std::min(span, c0 + kChunk);
@@ -680,10 +707,18 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
         for (int64_t h0 = 0; h0 < sub; h0 += 4) {
           const int g = static_cast<int>(std::min<int64_t>(4, sub - h0));
           const float* p4[4];
+          const uint16_t* b4[4];
           float* a4[4];
           for (int u = 0; u < g; ++u) {
             p4[u] = w.scores.data() + (r * sub + h0 + u) * span;
+            b4[u] = dot ? w.pb.data() + (r * sub + h0 + u) * span : nullptr;
             a4[u] = acc + (r * sub + h0 + u) * D;
+          }
+          if constexpr (kBf16) {
+            if (dot) {
+              weigh_heads_dot(g, b4, w.vals.data(), a0, z, D, a4, c0 > 0);
+              continue;
+            }
           }
           weigh_heads_512(g, p4, w.vals.data(), a0, z, D / 16, a4, c0 > 0);
         }
@@ -697,88 +732,6 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
       weigh_values(w.scores.data() + x * span, w.vals.data(), a0, z, nv, acc + x * D, c0 > 0);
     }
   }
-}
-
-// attend_keys of the bfloat16-dot form (see weigh_rows_dot): key arrays from the even position
-// at or below ka to the odd one at or above kb, positions outside [ka, kb] reading a zero row.
-void attend_keys_dot(const AttendCall<bf16_t>& c, int64_t t0, int64_t nt, int64_t kvh,
-                     int64_t ka, int64_t kb, AttendScratch<bf16_t>& w, float* m, float* l,
-                     float* acc) {
-  const int64_t D = c.D, sub = c.group, R = nt * sub, hbase = kvh * c.group;
-  const int32_t* table = c.bt + c.sq[t0] * c.maxb;
-  int64_t lo[kMaxTile], hi[kMaxTile];
-  for (int64_t r = 0; r < nt; ++r) {
-    lo[r] = std::max(c.lo(t0 + r), ka);
-    hi[r] = std::min(c.ps[t0 + r], kb);
-  }
-  const int64_t jlo = ka & ~int64_t{1}, span = (kb | 1) - jlo + 1;
-  w.scores.resize(R * span);
-  w.pb.resize(R * span);
-  w.qb.resize(R * D);
-  w.keys.resize(span);
-  w.vals.resize(span);
-  for (int64_t j = jlo; j < jlo + span; ++j) {
-    if (j < ka || j > kb) {
-      w.keys[j - jlo] = w.vals[j - jlo] = kZeroRow;
-      continue;
-    }
-    const int64_t slot = (int64_t)table[j / c.bs] * c.bs + j % c.bs;
-    w.keys[j - jlo] = c.kp + (slot * c.KVH + kvh) * D;
-    w.vals[j - jlo] = c.vp + (slot * c.KVH + kvh) * D;
-  }
-  for (int64_t x = 0; x < R; ++x)
-    round_row_bf16(c.qp + ((t0 + x / sub) * c.H + hbase + x % sub) * D, D, w.qb.data() + x * D);
-  for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
-    const int64_t c1 = std::min(span, c0 + kChunk);
-    for (int64_t x = 0; x < R; ++x) {
-      const int64_t r = x / sub;
-      const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
-      score_row_dot(w.qb.data() + x * D, w.keys.data(), a0, z, D, c.scale,
-                    w.scores.data() + x * span);
-    }
-  }
-  for (int64_t x = 0; x < R; ++x) {
-    const int64_t r = x / sub;
-    const int64_t a0 = lo[r] - jlo, z = hi[r] - jlo + 1;
-    if (z <= a0) {
-      m[x] = -INFINITY;
-      l[x] = 0.0f;
-      continue;
-    }
-    const float* sr = w.scores.data() + x * span;
-    uint16_t* pr = w.pb.data() + x * span;
-    m[x] = max_of(sr, a0, z);
-    l[x] = softmax_row_bf16(sr, a0, z, m[x], pr);
-    if (a0 & 1) pr[a0 - 1] = 0;  // the other key of a boundary pair weighs zero
-    if (z & 1) pr[z] = 0;
-  }
-  for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
-    const int64_t c1 = std::min(span, c0 + kChunk);
-    for (int64_t r = 0; r < nt; ++r) {
-      const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
-      if (z <= a0 && c0 > 0) continue;
-      for (int64_t h0 = 0; h0 < sub; h0 += 4) {
-        const int g = static_cast<int>(std::min<int64_t>(4, sub - h0));
-        const uint16_t* p4[4];
-        float* a4[4];
-        for (int u = 0; u < g; ++u) {
-          p4[u] = w.pb.data() + (r * sub + h0 + u) * span;
-          a4[u] = acc + (r * sub + h0 + u) * D;
-        }
-        weigh_heads_dot(g, p4, w.vals.data(), a0, z, D, a4, c0 > 0);
-      }
-    }
-  }
-}
-
-// One work item in the call's form.
-template <typename T>
-void attend_item(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, int64_t ka,
-                 int64_t kb, AttendScratch<T>& w, float* m, float* l, float* acc) {
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    if (c.dot) return attend_keys_dot(c, t0, nt, kvh, ka, kb, w, m, l, acc);
-  }
-  attend_keys(c, t0, nt, kvh, ka, kb, w, m, l, acc);
 }
 
 // Row state (m, l, acc) folded with a later segment's (ms, ls, as), segments in key order: the
@@ -898,7 +851,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         l.resize(R);
         acc.resize(R * D);
         const auto [ka, kb] = seg_range(i, 0);
-        attend_item(c, t0, nt, kvh, ka, kb, w, m.data(), l.data(), acc.data());
+        attend_keys(c, t0, nt, kvh, ka, kb, w, m.data(), l.data(), acc.data());
         if (nseg[i] > 1) {
           ms.resize(R);
           ls.resize(R);
@@ -906,7 +859,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         }
         for (int64_t s = 1; s < nseg[i]; ++s) {
           const auto [sa, sb] = seg_range(i, s);
-          attend_item(c, t0, nt, kvh, sa, sb, w, ms.data(), ls.data(), as.data());
+          attend_keys(c, t0, nt, kvh, sa, sb, w, ms.data(), ls.data(), as.data());
           for (int64_t x = 0; x < R; ++x)
             fold(m[x], l[x], acc.data() + x * D, ms[x], ls[x], as.data() + x * D, D);
         }
@@ -959,7 +912,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         const int64_t t0 = tile_start[i], nt = tile_start[i + 1] - t0, R = nt * group;
         float* p = part(gs, kvh);
         const auto [ka, kb] = seg_range(i, gs - first[i]);
-        attend_item(c, t0, nt, kvh, ka, kb, w, p, p + R, p + 2 * R);
+        attend_keys(c, t0, nt, kvh, ka, kb, w, p, p + R, p + 2 * R);
       }
   });
   at::parallel_for(0, n_tiles * KVH, 1, [&](int64_t b, int64_t e) {
