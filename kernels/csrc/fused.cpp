@@ -190,30 +190,21 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const int64_t* sm = slot_mapping.data_ptr<int64_t>();
   const int64_t row = KVH * D;
-  if (k_cache.scalar_type() == at::kBFloat16) {  // rounded to nearest even, 8 at a time
+  if (k_cache.scalar_type() != at::kFloat) {  // 16-bit: rounded to nearest even, 8 at a time
+    const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
+    auto round8 = [bf16](const float* x) {
+      const __m256 v = _mm256_loadu_ps(x);
+      return bf16 ? to_bf16x8(v) : _mm256_cvtps_ph(v, 0);
+    };
     auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
     auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
     for (int64_t t = 0; t < T; ++t) {
       if (sm[t] < 0) continue;
-      for (int64_t i = 0; i < row; i += 8) {
+      for (int64_t i = 0; i < row; i += 8) {  // D % 8 == 0
         _mm_storeu_si128(reinterpret_cast<__m128i*>(kc + sm[t] * row + i),
-                         to_bf16x8(_mm256_loadu_ps(kp + t * k.stride(0) + i)));
+                         round8(kp + t * k.stride(0) + i));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(vc + sm[t] * row + i),
-                         to_bf16x8(_mm256_loadu_ps(vp + t * v.stride(0) + i)));
-      }
-    }
-    return;
-  }
-  if (k_cache.scalar_type() == at::kHalf) {  // rounded to nearest even, 8 at a time (D % 8 == 0)
-    auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
-    auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
-    for (int64_t t = 0; t < T; ++t) {
-      if (sm[t] < 0) continue;
-      for (int64_t i = 0; i < row; i += 8) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(kc + sm[t] * row + i),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(kp + t * k.stride(0) + i), 0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(vc + sm[t] * row + i),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(vp + t * v.stride(0) + i), 0));
+                         round8(vp + t * v.stride(0) + i));
       }
     }
     return;
@@ -340,17 +331,9 @@ SPECSERVE_TARGET_AVX512 inline __m512 load16(const bf16_t* p) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// As score8: 8 FMA chains over D, 16 lanes each; each chain's two 8-lane halves added, then
+// Lane u = scale * (the sum of chain u's 16 lanes): each chain's two 8-lane halves added, then
 // score8's reduction tree.
-template <typename T>
-SPECSERVE_TARGET_AVX512 inline __m256 score8_512(const float* q, const T* const* k, int64_t D,
-                                                 float scale) {
-  __m512 a[8];
-  for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < D; i += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + i);
-    for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, load16(k[u] + i), a[u]);
-  }
+SPECSERVE_TARGET_AVX512 inline __m256 reduce8_512(const __m512* a, float scale) {
   __m256 h[8];
   for (int u = 0; u < 8; ++u)
     h[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]),
@@ -360,6 +343,19 @@ SPECSERVE_TARGET_AVX512 inline __m256 score8_512(const float* q, const T* const*
   const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
                                    _mm256_permute2f128_ps(g0, g1, 0x31));
   return _mm256_mul_ps(sum, _mm256_set1_ps(scale));
+}
+
+// As score8: 8 FMA chains over D, 16 lanes each, then reduce8_512.
+template <typename T>
+SPECSERVE_TARGET_AVX512 inline __m256 score8_512(const float* q, const T* const* k, int64_t D,
+                                                 float scale) {
+  __m512 a[8];
+  for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + i);
+    for (int u = 0; u < 8; ++u) a[u] = _mm512_fmadd_ps(qv, load16(k[u] + i), a[u]);
+  }
+  return reduce8_512(a, scale);
 }
 
 template <typename T>
@@ -443,7 +439,8 @@ SPECSERVE_TARGET_BF16 inline __m512bh load_bh(const void* p) {
   return (__m512bh)_mm512_loadu_si512(p);
 }
 
-// score8_512 with bfloat16 products: q (the row's bfloat16 bits) against 8 key rows.
+// score8_512 with bfloat16 products: q (the row's bfloat16 bits) against 8 key rows, the same
+// reduction.
 SPECSERVE_TARGET_BF16 inline __m256 score8_dot(const uint16_t* q, const bf16_t* const* k,
                                                int64_t D, float scale) {
   __m512 a[8];
@@ -452,15 +449,7 @@ SPECSERVE_TARGET_BF16 inline __m256 score8_dot(const uint16_t* q, const bf16_t* 
     const __m512bh qv = load_bh(q + i);
     for (int u = 0; u < 8; ++u) a[u] = _mm512_dpbf16_ps(a[u], qv, load_bh(k[u] + i));
   }
-  __m256 h[8];
-  for (int u = 0; u < 8; ++u)
-    h[u] = _mm256_add_ps(_mm512_castps512_ps256(a[u]),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[u]), 1)));
-  const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-  const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
-  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20),
-                                   _mm256_permute2f128_ps(g0, g1, 0x31));
-  return _mm256_mul_ps(sum, _mm256_set1_ps(scale));
+  return reduce8_512(a, scale);
 }
 
 SPECSERVE_TARGET_BF16 void score_row_dot(const uint16_t* q, const bf16_t* const* keys,
