@@ -149,10 +149,10 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         log.info(
             "engine ready: model=%s quantization=%s dtype=%s device=%s kv_blocks=%d "
-            "block_size=%d max_model_len=%d backend=%s",
+            "block_size=%d max_model_len=%d backend=%s kv_cache_dtype=%s attention_form=%s",
             model_path, self.quantization, self.dtype, self.device, config.num_kv_blocks,
-            config.block_size,
-            config.max_model_len, self.attn_backend.name,
+            config.block_size, config.max_model_len, self.attn_backend.name, self.kv_dtype,
+            getattr(self.attn_backend, "form", "-"),
         )
 
     # ---- set-up -------------------------------------------------------------------------
