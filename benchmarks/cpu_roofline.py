@@ -1,6 +1,7 @@
 """How close the CPU kernels run to this machine's limits: the projections (int8 dot products)
-and the paged attention (float32 FMAs) of a verify step, against the fastest the CPU could
-issue their instructions and the fastest memory could feed them.
+and the paged attention (float32 FMAs over a float32 cache; bfloat16 products over a bfloat16
+cache where the CPU has them) of a verify step, against the fastest the CPU could issue their
+instructions and the fastest memory could feed them.
 
     python benchmarks/cpu_roofline.py [--model PATH] [--rows 1,5,9,17] [--contexts 500,1000]
         [--repeats 7] [--num-threads N] [--no-write]
@@ -10,7 +11,8 @@ instruction on 16 independent chains per thread on every torch thread at once, s
 reaches is what this CPU (and this VM's share of it) sustains: some CPUs split a 512-bit
 instruction in two, and a datasheet would not say what a KVM guest gets. A kernel's bound is
 its count of those instructions (the projections' ``vpdpbusd``, 64 int8 products each at 512
-bits; the attention's FMAs, 16 lanes at 512 bits, for the scores and for the weighted values)
+bits; the attention's FMAs, 16 lanes at 512 bits, for the scores and for the weighted values,
+or its ``vdpbf16ps``, 32 bfloat16 products each)
 over that rate, and its bytes over the memory bandwidth (torch's sum over 256 MB). Measured /
 bound near 1 means no rewrite of that kernel's loop can make it much faster here: only fewer
 or cheaper instructions (narrower types, other instructions) or another machine can.
@@ -80,13 +82,14 @@ def peak_rates(ext) -> dict[str, float]:
 
 
 def time_attention(ext, form: int, shape: tuple[int, int, int, int], ctx: int, rows: int,
-                   repeats: int, block_size: int = 16) -> float:
+                   repeats: int, block_size: int = 16,
+                   cache_dtype: torch.dtype = torch.float32) -> float:
     """Median seconds of all layers' paged attention for ``rows`` rows at the end of a
     ``ctx``-token cache (each layer its own cache, as cold as in a forward)."""
     from specserve.kernels.attention_form import query_rows, synthetic_caches
 
     H, KVH, D, L = shape
-    caches, table = synthetic_caches(KVH, D, L, ctx, block_size)
+    caches, table = synthetic_caches(KVH, D, L, ctx, block_size, dtype=cache_dtype)
     q, seq_of, pos_of = query_rows(H, D, ctx, rows)
     samples = []
     for rep in range(repeats + 1):
@@ -123,7 +126,7 @@ def main() -> int:
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from specserve.kernels.attention_form import choose_form
+    from specserve.kernels.attention_form import BF16_DOT, choose_form, has_bf16_products
     from specserve.target.config import ModelConfig
     from specserve.target.loader import load_weights
 
@@ -133,7 +136,13 @@ def main() -> int:
     shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)
     H, KVH, D, L = shape
     ext = quant_ext.load()
-    form = choose_form(H, KVH, D, cache_root() / "tune")
+    form = choose_form(H, KVH, D, cache_root() / "tune", cache_dtype=torch.float32)
+    # the bfloat16 cache's form, when it has bfloat16 products here (the engine's default then)
+    bf16_form = None
+    if has_bf16_products(D):
+        bf16_form = choose_form(H, KVH, D, cache_root() / "tune", cache_dtype=torch.bfloat16)
+        if bf16_form % 1024 // 64 != BF16_DOT:
+            bf16_form = None  # the tuner preferred a widening form: nothing new to bound
     isa = quant_ext.supported_isas()[-1]  # the widest form: the one the tuner picks at 8+ rows
     # products per dot instruction of that form (the AVX2 form has no single one: no bound)
     dot = {"avx512vnni": ("dpbusd512", 64), "avxvnni": ("dpbusd256", 32)}.get(isa)
@@ -169,6 +178,12 @@ def main() -> int:
                 fmas = 2 * keys * H * (D // lanes) * L  # scores and weighted values
                 row(f"attention (form {form})", rows, str(ctx), ms, fmas / rates[fma] * 1e3,
                     kv_bytes / gb_s / 1e6)
+                if bf16_form is not None:
+                    ms = time_attention(ext, bf16_form, shape, ctx, rows, args.repeats,
+                                        cache_dtype=torch.bfloat16) * 1e3
+                    dots = 2 * keys * H * (D // 32) * L  # 32 bfloat16 products each
+                    row(f"attention, bfloat16 cache (form {bf16_form})", rows, str(ctx), ms,
+                        dots / rates["dpbf16_512"] * 1e3, kv_bytes / 2 / gb_s / 1e6)
     peaks = ", ".join(f"{k} {v / 1e9:.2f} G/s" for k, v in rates.items())
     heading = "## CPU roofline: kernels against this machine's instruction and memory limits"
     section = results_section(
@@ -179,7 +194,10 @@ def main() -> int:
         f"{macs / 1e6:.0f}M int8 products per row, {weight_bytes / 1e6:.0f} MB of weights; "
         f"bound = products / {dot[1] if dot else '-'} per {dot[0] if dot else '-'} at its peak. "
         f"Attention: all {L} layers, float32 KV; bound = FMAs ({lanes} lanes, scores and "
-        f"weighted values) at the {fma} peak. Medians of {args.repeats}.",
+        f"weighted values) at the {fma} peak"
+        + ("; bfloat16 KV (the default cache here): bound = vdpbf16ps (32 products) at the "
+           "dpbf16_512 peak" if bf16_form is not None else "")
+        + f". Medians of {args.repeats}.",
         lines)
     publish(heading, section, write=not args.no_write)
     return 0
