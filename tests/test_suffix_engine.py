@@ -126,3 +126,29 @@ def test_long_match_drafts_more_than_num_speculative_tokens(models):
     (out,) = engine.generate([p], params)  # all from the cache: long matches
     assert out.token_ids == hf_greedy(hf, p, 40)
     assert out.timings.mean_accepted_length > 3  # more than k = 2 could give
+
+
+def test_proposals_that_find_nothing_back_off(models):
+    """A request whose text rarely repeats: most steps' suffix proposals find nothing, and the
+    proposer is then not asked again every step (it backs off 1, 2, 4 steps; asked every step,
+    this request took 25 calls in 40 steps, with the backoff 10), while the output is still
+    transformers' greedy one; a request that copies its prompt still drafts."""
+    target, _, hf = models
+    engine = make(target, speculative_method="suffix")
+    proposer = engine.speculator.proposers["suffix"]
+    calls = []
+    real = proposer.propose
+
+    def counting(requests):
+        calls.append(len(requests))
+        return real(requests)
+
+    proposer.propose = counting
+    p = prompts([10], seed=7)[0]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    (out,) = engine.generate([p], params)
+    assert out.token_ids == hf_greedy(hf, p, 40)
+    assert 0 < len(calls) <= 40 // 2, len(calls)
+    calls.clear()
+    (copied,) = engine.generate([copy_prompt(2)], params)
+    assert copied.timings.num_drafted > 0 and calls
