@@ -327,7 +327,9 @@ def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization, kv
     assert one_by_one == [x.token_ids for x in a]  # batch of 3 == alone
 
 
-def test_float16_kv_cache_needs_the_cpp_attention():
+def test_16_bit_kv_caches_need_the_cpp_attention():
+    """float16 / bfloat16 caches only where the C++ attention reads them; ``auto`` keeps the
+    model's dtype elsewhere (the dense float32 path stays the transformers-exact reference)."""
     from specserve.config import EngineConfig
     from specserve.errors import ConfigError
 
@@ -337,6 +339,9 @@ def test_float16_kv_cache_needs_the_cpp_attention():
     for dtype in ("float16", "bfloat16"):
         with pytest.raises(ConfigError, match="needs the C[+][+] CPU attention"):
             _engine(None, "none", "off", kv_cache_dtype=dtype)
+    dense = _engine(None, "none", "off")
+    assert dense.attn_backend.name != "cpu_paged"
+    assert dense.runner.kv_cache.dtype == torch.float32
 
 
 def test_quantized_hf_folder_speculation_equals_plain(text_model):
