@@ -13,11 +13,13 @@ no key reuse across queries) but no longer invariant to chunking and prefix cach
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 
 from specserve.kernels import quant_ext
+from specserve.kernels.attention_form import for_float32_caches
 from specserve.kernels.metadata import AttentionMetadata
 from specserve.kernels.torch_ref import TorchPagedAttention, write_kv
 
@@ -85,6 +87,13 @@ class CpuPagedAttention:
         # engine sets the measured one (attention_form.py) before its first step.
         self.form = form
         self._long = TorchPagedAttention()
+
+    def for_float32_caches(self) -> CpuPagedAttention:
+        """This backend for float32 caches beside this one's (a draft model's or an EAGLE
+        head's, whose numbers only move acceptance): the bfloat16-product form widened."""
+        other = copy.copy(self)
+        other.form = for_float32_caches(self.form)
+        return other
 
     def kernel_plan(self, meta: AttentionMetadata) -> _Plan | None:
         """The step's plan when every row goes through the C++ kernel (what a fused decoder

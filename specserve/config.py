@@ -139,6 +139,25 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         return device
 
+    def resolve_kv_dtype(self, model_dtype: torch.dtype, backend: str, device: torch.device,
+                         bf16_products: bool) -> torch.dtype:
+        """The target's KV cache dtype: the model's, or float16 / bfloat16 where the C++
+        attention (``cpu_paged``) reads it. ``auto`` takes bfloat16 there when the CPU has
+        bfloat16 dot products (``bf16_products``: the attention's cheapest form, half the bytes
+        read per key and half the multiply instructions; llama.cpp's default cache is float16
+        for the same reason), else the model's dtype."""
+        cpp = backend == "cpu_paged" and device.type == "cpu"
+        choice = self.kv_cache_dtype
+        if choice == "auto":
+            return torch.bfloat16 if cpp and bf16_products else model_dtype
+        if choice in ("float16", "bfloat16") and not cpp:
+            raise ConfigError(
+                f"kv-cache-dtype {choice} needs the C++ CPU attention (a quantized model on "
+                f"CPU, --attention-backend auto or cpu_paged); this engine uses {backend!r} on "
+                f"{device.type}: use --kv-cache-dtype auto"
+            )
+        return _DTYPES[choice]
+
     def resolve_dtype(self, device: torch.device, quantized: bool = False) -> torch.dtype:
         """auto: float32 around quantized projections (their kernels take and give float32);
         else bfloat16 on GPUs, float32 on CPUs. A CPU bf16 model is not batch-invariant (a

@@ -7,7 +7,6 @@ and is synchronous; the server drives it from a dedicated thread.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import time
@@ -20,11 +19,8 @@ from specserve.config import EngineConfig
 from specserve.draft.eagle_head import EagleHead, EagleRunner, is_eagle_dir, load_head
 from specserve.errors import ConfigError, InvalidRequestError
 from specserve.kernels import quant_ext
-from specserve.kernels.attention_form import (
-    choose_form,
-    for_float32_caches,
-    has_bf16_products,
-)
+from specserve.kernels.attention_form import choose_form, has_bf16_products
+from specserve.kernels.cpu_paged import CpuPagedAttention
 from specserve.kernels.metadata import AttentionMetadata, token_positions
 from specserve.kernels.registry import get_attention_backend
 from specserve.kernels.tuner import KernelTuner, TuneTable, default_row_counts
@@ -89,7 +85,9 @@ class LLMEngine:
         backend = config.attention_backend
         if backend == "auto" and self.quantization != "none" and quant_ext.available():
             backend = "cpu_paged"  # batch-invariant, like the quantized projections
-        self.kv_dtype = self._resolve_kv_dtype(backend)
+        self.kv_dtype = config.resolve_kv_dtype(
+            self.dtype, backend, self.device,
+            backend == "cpu_paged" and has_bf16_products(self.model_config.head_dim))
         self._resolve_limits()
         self.attn_backend = get_attention_backend(
             backend, self.device, block_size=config.block_size
@@ -119,9 +117,8 @@ class LLMEngine:
         # Draft models and EAGLE heads keep float32 caches (their numbers only move acceptance):
         # they run the target's form widened to them.
         draft_backend = self.attn_backend
-        if self.attn_backend.name == "cpu_paged":
-            draft_backend = copy.copy(self.attn_backend)
-            draft_backend.form = for_float32_caches(self.attn_backend.form)
+        if isinstance(self.attn_backend, CpuPagedAttention):
+            draft_backend = self.attn_backend.for_float32_caches()
         draft_runner = None
         if draft_model is not None and self.draft_config is not None:
             # Same block ids, separate KV tensors: one block table serves both models.
@@ -193,28 +190,6 @@ class LLMEngine:
             KernelTuner(cache_root() / "tune", "eagle", progress=True).tune(self.eagle_head,
                                                                           draft_rows)
         return table
-
-    def _resolve_kv_dtype(self, backend: str) -> torch.dtype:
-        """The target's KV cache dtype: the model's, or float16 / bfloat16 where the C++
-        attention reads it (kernels/cpu_paged.py). ``auto`` takes bfloat16 there when the CPU has
-        bfloat16 dot products (the attention's cheapest form: half the bytes read per key and
-        half the multiply instructions; llama.cpp's default cache is float16 for the same
-        reason), else the model's dtype."""
-        choice = self.config.kv_cache_dtype
-        if (choice == "auto" and backend == "cpu_paged" and self.device.type == "cpu"
-                and has_bf16_products(self.model_config.head_dim)):
-            return torch.bfloat16
-        if choice in ("float16", "bfloat16"):
-            if backend != "cpu_paged" or self.device.type != "cpu":
-                raise ConfigError(
-                    f"kv-cache-dtype {choice} needs the C++ CPU attention (a quantized model on "
-                    f"CPU, --attention-backend auto or cpu_paged); this engine uses "
-                    f"{backend!r} on {self.device.type}: use --kv-cache-dtype auto"
-                )
-            return torch.float16 if choice == "float16" else torch.bfloat16
-        if choice == "float32":
-            return torch.float32
-        return self.dtype
 
     def _resolve_limits(self) -> None:
         """Writes the derived context length and KV pool size back into the config."""
