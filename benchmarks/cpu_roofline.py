@@ -42,7 +42,6 @@ from benchmarks.report import (  # noqa: E402
 )
 from specserve.kernels import quant_ext  # noqa: E402
 from specserve.kernels.cpp_build import load_extension  # noqa: E402
-from specserve.kernels.tuner import BLOCK_ROWS_PER_PASS  # noqa: E402
 from specserve.target.loader import cache_root  # noqa: E402
 
 KINDS = ("fma256", "fma512", "dpbusd256", "dpbusd512", "dpbf16_512")
@@ -167,7 +166,7 @@ def main() -> int:
             xs = {k: torch.randn(rows, k) for k in {m.in_features for m in mods}}
             ms = min(statistics.median(time_form(mods, xs, quant_ext.kernel_code(f"{isa}/{r}"),
                                                  args.repeats))
-                     for r in BLOCK_ROWS_PER_PASS) * 1e3
+                     for r in quant_ext.ROWS_PER_PASS[isa]) * 1e3
             instr = rows * macs / dot[1] / rates[dot[0]] * 1e3 if dot else None
             row(f"projections ({isa})", rows, "-", ms, instr, weight_bytes / gb_s / 1e6)
         for ctx in contexts:

@@ -35,7 +35,6 @@ from benchmarks.report import (  # noqa: E402
 )
 from specserve.kernels import quant_ext  # noqa: E402
 from specserve.kernels.quant import BlockQuantLinear  # noqa: E402
-from specserve.kernels.tuner import BLOCK_ROWS_PER_PASS  # noqa: E402
 
 
 def load_projections(path: str) -> list[BlockQuantLinear]:
@@ -105,7 +104,7 @@ def main() -> int:
             xs = {k: torch.randn(rows, k) for k in {m.in_features for m in mods}}
             best: dict[str, tuple[float, int]] = {}
             samples: dict[tuple[str, int], list[float]] = {
-                (f, r): [] for f in forms for r in BLOCK_ROWS_PER_PASS}
+                (f, r): [] for f in forms for r in quant_ext.ROWS_PER_PASS[f]}
             for _ in range(2):  # two interleaved rounds: drift hits every form alike
                 for f, r in samples:
                     samples[(f, r)] += time_form(mods, xs, quant_ext.kernel_code(f"{f}/{r}"),

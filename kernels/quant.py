@@ -240,7 +240,7 @@ class BlockQuantLinear(nn.Module):
         return self.out_features % LANES != 0
 
     def kernel(self, rows: int) -> int:
-        """block_linear's kernel argument for ``rows`` rows (16 * isa + rows per pass)."""
+        """block_linear's kernel argument for ``rows`` rows (32 * isa + rows per pass)."""
         plan = self.rows_plan
         return _DEFAULT_KERNEL if plan is None else _kernel_codes(plan.get(rows))
 
@@ -258,7 +258,7 @@ class BlockQuantLinear(nn.Module):
         return self.run(x, self.kernel(x.shape[0]))
 
     def run(self, x: torch.Tensor, kernel: int = _DEFAULT_KERNEL) -> torch.Tensor:
-        """y for x with block_linear's ``kernel`` (16 * isa + rows per pass; the dense fallback
+        """y for x with block_linear's ``kernel`` (32 * isa + rows per pass; the dense fallback
         ignores it)."""
         ext = self._ext
         if ext is not None and x.device.type == "cpu":

@@ -82,6 +82,9 @@ def available() -> bool:
 
 # The block kernels' instruction-set forms, in the C++ extension's numbering (qgemm.cpp).
 ISAS = ("avx2", "avxvnni", "avx512vnni")
+# Rows per pass each form takes: 16 (16 at a time, the rest in one pass) needs AVX-512's 32
+# vector registers for 16 rows' accumulators beside a block's codes.
+ROWS_PER_PASS = {"avx2": (1, 2, 4, 8), "avxvnni": (1, 2, 4, 8), "avx512vnni": (1, 2, 4, 8, 16)}
 
 
 @functools.cache
@@ -96,6 +99,7 @@ def supported_isas() -> tuple[str, ...]:
 def kernel_code(name: str) -> int:
     """``"<isa>/<rows per pass>"`` (a tuner candidate) -> block_linear's kernel argument."""
     isa, _, rows = name.partition("/")
-    if isa not in ISAS or rows not in ("1", "2", "4", "8"):
-        raise ValueError(f"unknown block kernel {name!r}: expected <isa>/<1|2|4|8>, isa in {ISAS}")
-    return 16 * ISAS.index(isa) + int(rows)
+    if isa not in ISAS or not rows.isdigit() or int(rows) not in ROWS_PER_PASS[isa]:
+        forms = ", ".join(f"{i}/<{'|'.join(map(str, r))}>" for i, r in ROWS_PER_PASS.items())
+        raise ValueError(f"unknown block kernel {name!r}: expected one of {forms}")
+    return 32 * ISAS.index(isa) + int(rows)

@@ -38,7 +38,6 @@ from specserve.kernels.quant import BlockQuantLinear
 log = logging.getLogger(__name__)
 
 _FORMAT = "2"
-BLOCK_ROWS_PER_PASS = (1, 2, 4, 8)
 
 
 def cpu_model() -> str:
@@ -169,7 +168,7 @@ def model_groups(model: nn.Module) -> dict[str, list[nn.Module]]:
 def _candidates(module: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], object]]:
     if isinstance(module, BlockQuantLinear):
         codes = {f"{isa}/{r}": quant_ext.kernel_code(f"{isa}/{r}")
-                 for isa in quant_ext.supported_isas() for r in BLOCK_ROWS_PER_PASS}
+                 for isa in quant_ext.supported_isas() for r in quant_ext.ROWS_PER_PASS[isa]}
         return {n: (lambda c=c: module.run(x, c)) for n, c in codes.items()}
     assert isinstance(module, DenseLinear)
     w, b = module.weight, module.bias
@@ -217,7 +216,7 @@ class KernelTuner:
         key = "|".join([
             cpu_model(), torch.__version__, str(torch.get_num_threads()), self.model_key, shapes,
             ",".join(map(str, row_counts)), _FORMAT,
-            ",".join(DENSE_KERNELS), ",".join(map(str, BLOCK_ROWS_PER_PASS)),
+            ",".join(DENSE_KERNELS), str(quant_ext.ROWS_PER_PASS),
             ",".join(quant_ext.supported_isas()),
             quant_ext.build_key(),
         ])

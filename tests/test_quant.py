@@ -4,6 +4,7 @@ and greedy speculation identical to plain decoding under every quantization."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -187,17 +188,23 @@ def test_every_instruction_set_form_gives_the_avx2_bits(fmt, bias):
     isas = quant_ext.supported_isas()
     assert isas[0] == "avx2"
     for isa in isas:
-        for per_pass in ("1", "2", "4", "8"):
+        for per_pass in quant_ext.ROWS_PER_PASS[isa]:
             code = quant_ext.kernel_code(f"{isa}/{per_pass}")
-            for rows in (1, 2, 3, 5, 8, 37):
+            for rows in (1, 2, 3, 5, 8, 13, 16, 17, 37):
                 assert torch.equal(lin.run(x[:rows], code), want[:rows]), (isa, per_pass, rows)
 
 
 def test_unknown_block_kernel_names_the_forms():
     with pytest.raises(ValueError, match="avx512vnni"):
         quant_ext.kernel_code("sse/4")
+    with pytest.raises(ValueError, match=re.escape("avx2/<1|2|4|8>, avxvnni/<1|2|4|8>, "
+                                                   "avx512vnni/<1|2|4|8|16>")):
+        quant_ext.kernel_code("avx2/16")
+    lin = BlockQuantLinear(quantize(_weights(8, 32, 1), "q4_1"))
     with pytest.raises(RuntimeError, match="instruction set"):
-        BlockQuantLinear(quantize(_weights(8, 32, 1), "q4_1")).run(torch.randn(1, 32), 16 * 7 + 4)
+        lin.run(torch.randn(1, 32), 32 * 7 + 4)
+    with pytest.raises(RuntimeError, match="16 for AVX-512 VNNI"):
+        lin.run(torch.randn(1, 32), 32 * 0 + 16)
 
 
 def test_fused_ops_are_batch_invariant():

@@ -959,12 +959,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                         const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& bias,
-                        int64_t kernel);  // qgemm.cpp (kernel = 16 * isa + rows per pass)
+                        int64_t kernel);  // qgemm.cpp (kernel = 32 * isa + rows per pass)
 
 // One whole decoder layer of a block-quantized Llama-family model, in place on the residual
 // stream h [T, hidden]: the same kernels, in the same order, as the Python path of
 // target/model.py (DecoderLayer with fused ops), without ~15 Python-level calls per layer.
-// Projection p is (qs, d, m or None, bias or None); rpp: the block_linear kernel (16 * isa +
+// Projection p is (qs, d, m or None, bias or None); rpp: the block_linear kernel (32 * isa +
 // rows per pass) for qkv, o, gate_up, down.
 void decoder_layer_(at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                     const at::Tensor& qkv_qs, const at::Tensor& qkv_d,
