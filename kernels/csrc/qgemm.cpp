@@ -140,6 +140,27 @@ inline __m256 load_half8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// Software prefetch of the weight streams, kPrefetchBytes of codes ahead and the scales at the
+// same block distance (past a group's end that is the next group's data, which the same thread
+// runs next). A 1-row step reads every weight byte once; with the hardware prefetcher alone the
+// kernels read it at ~0.6 of the bandwidth of a plain sum: all projections of the built-in model
+// at 1 row 3.0 -> 2.5 ms on Zen 5, every form, 4 to 16 KB ahead alike. A hint: same bits.
+constexpr int64_t kPrefetchBytes = 8192;
+
+template <int BlockBytes>
+inline void prefetch_codes(const void* group, int64_t b) {
+  const char* p = static_cast<const char*>(group) + b * BlockBytes + kPrefetchBytes;
+  for (int l = 0; l < BlockBytes / 64; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+}
+
+// 8 float16 scales a block: one 64-byte line holds 4 blocks' worth.
+template <int BlockBytes>
+inline void prefetch_scales(const uint16_t* group, int64_t b) {
+  if ((b & 3) == 0)
+    _mm_prefetch(reinterpret_cast<const char*>(group + (b + kPrefetchBytes / BlockBytes) * 8),
+                 _MM_HINT_T0);
+}
+
 // One Q4_1 block of a group (128 bytes) -> its 8 vectors of codes 0..15: w[v] the low nibbles
 // of vector v, w[v + 4] the high ones.
 inline void unpack_q4(const uint8_t* p, __m256i* w) {
@@ -165,6 +186,9 @@ void q4_group(int64_t g, int64_t i0, int64_t KB, const uint8_t* qs, const uint16
   const uint16_t* mg = m + g * KB * 8;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < KB; ++b) {
+    prefetch_codes<128>(qg, b);
+    prefetch_scales<128>(dg, b);
+    prefetch_scales<128>(mg, b);
     __m256i w[8];
     unpack_q4(qg + b * 128, w);
     const __m256 dv = load_half8(dg + b * 8);
@@ -196,6 +220,8 @@ void q8_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const uint16_
   const uint16_t* dg = d + g * KB * 8;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < KB; ++b) {
+    prefetch_codes<256>(qg, b);
+    prefetch_scales<256>(dg, b);
     __m256i w[8], a[8];
     for (int v = 0; v < 8; ++v) {
       w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + b * 256 + 32 * v));
@@ -240,6 +266,9 @@ SPECSERVE_TARGET_VNNI void q4_group_vnni(int64_t g, int64_t i0, int64_t KB, cons
   const uint16_t* dg = d + g * KB * 8;
   const uint16_t* mg = m + g * KB * 8;
   for (int64_t b = 0; b < KB; ++b) {
+    prefetch_codes<128>(qg, b);
+    prefetch_scales<128>(dg, b);
+    prefetch_scales<128>(mg, b);
     __m256i w[8];
     unpack_q4(qg + b * 128, w);
     const __m256 dv = load_half8(dg + b * 8);
@@ -274,6 +303,8 @@ SPECSERVE_TARGET_VNNI void q8_group_vnni(int64_t g, int64_t i0, int64_t KB, cons
   const uint16_t* dg = d + g * KB * 8;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < KB; ++b) {
+    prefetch_codes<256>(qg, b);
+    prefetch_scales<256>(dg, b);
     __m256i u[8];  // w + 128 as unsigned bytes
     for (int v = 0; v < 8; ++v)
       u[v] = _mm256_xor_si256(
@@ -322,6 +353,12 @@ SPECSERVE_TARGET_AVX512 void q4_pair_avx512(int64_t g, int64_t i0, int64_t KB,
   const uint16_t* ma = m + g * KB * 8;
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < KB; ++b) {
+    prefetch_codes<128>(qa, b);
+    prefetch_codes<128>(qb, b);
+    prefetch_scales<128>(da, b);
+    prefetch_scales<128>(da + KB * 8, b);
+    prefetch_scales<128>(ma, b);
+    prefetch_scales<128>(ma + KB * 8, b);
     __m512i w[8];
     for (int v = 0; v < 4; ++v) {
       const __m512i raw = _mm512_inserti64x4(
@@ -364,6 +401,10 @@ SPECSERVE_TARGET_AVX512 void q8_pair_avx512(int64_t g, int64_t i0, int64_t KB, c
   const uint16_t* da = d + g * KB * 8;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < KB; ++b) {
+    prefetch_codes<256>(qa, b);
+    prefetch_codes<256>(qb, b);
+    prefetch_scales<256>(da, b);
+    prefetch_scales<256>(da + KB * 8, b);
     __m512i u[8];  // w + 128 as unsigned bytes
     for (int v = 0; v < 8; ++v)
       u[v] = _mm512_xor_si512(
