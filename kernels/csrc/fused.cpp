@@ -580,6 +580,18 @@ struct AttendCall {
   int64_t lo(int64_t t) const { return window > 0 ? std::max<int64_t>(0, ps[t] - window + 1) : 0; }
 };
 
+// Rows [a, b) of the key or value pointers, prefetched: the next chunk's while this one is
+// scored or weighed (paged rows are scattered by the block table, and at 2000-4000 keys a decode
+// row's cache no longer fits in L2). A hint: same bits. 30 layers, bfloat16 dot form, Zen 5:
+// decode row 1.23x faster at 2000 keys, 1.13x at 4000, verifies 1.03-1.07x, 500 keys alike.
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int64_t a, int64_t b, int64_t D) {
+  const int64_t lines = (D * (int64_t)sizeof(T) + 63) / 64;
+  for (int64_t j = a; j < b; ++j)
+    for (int64_t l = 0; l < lines; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + 64 * l, _MM_HINT_T0);
+}
+
 // Per-thread scratch of attend_keys.
 template <typename T>
 struct AttendScratch {
@@ -631,6 +643,7 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
   // kChunk, so a chunk stays in L1 while every row of the item reads it.
   for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
     const int64_t c1 = std::min(span, c0 + kChunk);
+    prefetch_rows(w.keys.data(), c1, std::min(span, c1 + kChunk), D);
     for (int64_t x = 0; x < R; ++x) {
       const int64_t r = x / sub;
       const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
@@ -647,6 +660,7 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
         score_row(qrow(x), w.keys.data(), a0, z, D, c.scale, sr);
     }
   }
+  prefetch_rows(w.vals.data(), 0, std::min(span, kChunk), D);
   // Per query row: max, p = exp(s - max) in place (8 lanes from its first key, then a fixed
   // horizontal order and the tail), sum. The dot form: p rounded to bfloat16 into pb, the sum
   // over the rounded weights, and the other key of a boundary pair weighing zero.
@@ -689,6 +703,7 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
   const int64_t nv = D / 8;
   for (int64_t c0 = 0; c0 < span; c0 += kChunk) {
     const int64_t c1 = std::min(span, c0 + kChunk);
+    prefetch_rows(w.vals.data(), c1, std::min(span, c1 + kChunk), D);
     if (c.wide) {
       for (int64_t r = 0; r < nt; ++r) {
         const int64_t a0 = std::max(lo[r] - jlo, c0), z = std::min(hi[r] - jlo + 1, c1);
