@@ -3,15 +3,16 @@ the engine will run, keeps the fastest, and caches the table per machine.
 
 Groups: the model's projections grouped by (kind, format or dtype, N, K); the 30 qkv projections
 of a 30-layer model are one group. Each candidate is timed over up to ``modules_per_group``
-modules of its group in turn (distinct weights, so as cold in cache as in a real forward),
-candidates interleaved, the median of ``repeats`` kept.
+modules of its group in turn, candidates interleaved, the median of ``repeats`` kept. Every
+timed pass meets the weights where a forward does: in memory when the model's weights exceed
+the last-level cache (a read of twice that cache evicts them first), else cached.
 
 Candidates: for dense float projections the entries of ``specserve.kernels.linear.DENSE_KERNELS``;
 for block-quantized ones every instruction-set form this CPU runs (AVX2, AVX-VNNI, AVX-512 VNNI)
-times the rows each unpacked weight block is shared by (1, 2, 4 or 8), named "<isa>/<rows>";
-the numbers are identical, only the speed differs. The table also gives the measured cost of all
-projections of one forward per row count (``projection_seconds``), which the speculation policy
-uses to price steps it has not measured yet.
+times the rows each unpacked weight block is shared by (1, 2, 4, 8; 16 for AVX-512), named
+"<isa>/<rows>"; the numbers are identical, only the speed differs. The table also gives the
+measured cost of all projections of one forward per row count (``projection_seconds``), which
+the speculation policy uses to price steps it has not measured yet.
 
 Cache: ``$SPECSERVE_CACHE_DIR/tune/<sha of CPU model, torch version, threads, model>.json``.
 """
@@ -37,7 +38,7 @@ from specserve.kernels.quant import BlockQuantLinear
 
 log = logging.getLogger(__name__)
 
-_FORMAT = "2"
+_FORMAT = "3"  # 3: timed from memory when the weights exceed the last-level cache
 
 
 def cpu_model() -> str:
@@ -176,10 +177,12 @@ def _candidates(module: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], ob
 
 
 def time_candidates(
-    runs: list[dict[str, Callable[[], object]]], repeats: int
+    runs: list[dict[str, Callable[[], object]]], repeats: int,
+    evict: Callable[[], object] | None = None,
 ) -> dict[str, float]:
     """Median seconds of one pass over ``runs`` (one dict of candidates per module), per
-    candidate; candidates interleaved so drift on a shared machine hits them alike."""
+    candidate; candidates interleaved so drift on a shared machine hits them alike. ``evict``
+    (untimed) runs before every pass: the weights then come from memory, as in a forward."""
     names = list(runs[0])
     samples: dict[str, list[float]] = {n: [] for n in names}
     for run in runs:  # warm-up: first calls allocate
@@ -187,11 +190,49 @@ def time_candidates(
             run[n]()
     for _ in range(repeats):
         for n in names:
+            if evict is not None:
+                evict()
             t0 = time.perf_counter()
             for run in runs:
                 run[n]()
             samples[n].append(time.perf_counter() - t0)
     return {n: statistics.median(s) for n, s in samples.items()}
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache sysfs lists for cpu0 (None where unreadable)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=None)
+
+
+def _weight_bytes(module: nn.Module) -> int:
+    if isinstance(module, BlockQuantLinear):
+        return sum(t.numel() * t.element_size() for t in module.planes[:3] if t is not None)
+    return module.weight.numel() * module.weight.element_size()  # type: ignore[union-attr]
+
+
+def cache_evictor(groups: dict[str, list[nn.Module]]) -> Callable[[], object] | None:
+    """What to run before each timed pass so it meets the cache state of a real forward: when
+    all the weights exceed the last-level cache, a forward finds each projection's weights in
+    memory (the other layers' passed through since), so a read of twice that cache evicts
+    them; when they fit (a small model, a CPU with a 300 MB L3), they stay cached: None.
+    Timed hot, the tuner picked AVX-512 forms for one row on Zen 5 (32 MB L3, 96 MB of
+    weights) whose model pass was 8-10% slower than AVX-VNNI's from memory."""
+    llc = last_level_cache_bytes() or 32 << 20
+    total = sum(_weight_bytes(m) for mods in groups.values() for m in mods)
+    if total <= llc:
+        return None
+    buffer = torch.ones(2 * llc // 4)  # float32: a vectorized sum reads it at full bandwidth
+    return buffer.sum
 
 
 class KernelTuner:
@@ -256,6 +297,7 @@ class KernelTuner:
         total = len(groups) * len(row_counts)
         bar = tqdm(total=total, desc="tuning kernels", disable=not self.progress, unit="shape")
         t0 = time.perf_counter()
+        evict = cache_evictor(groups)
         with torch.inference_mode():
             for sig, modules in groups.items():
                 result = GroupResult()
@@ -267,7 +309,7 @@ class KernelTuner:
                 for rows in row_counts:
                     x = torch.randn(rows, k, dtype=dtype)
                     runs = [_candidates(m, x) for m in sample]
-                    timings = time_candidates(runs, self.repeats)
+                    timings = time_candidates(runs, self.repeats, evict)
                     best = min(timings, key=timings.__getitem__)
                     per_call = {n: t / len(sample) for n, t in timings.items()}
                     result.choice[rows] = best

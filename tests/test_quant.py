@@ -256,6 +256,28 @@ def test_tuner_picks_the_faster_candidate_and_caches(tmp_path, monkeypatch):
     assert again.projection_seconds(5) == pytest.approx(table.projection_seconds(5))
 
 
+def test_tuner_times_from_memory_only_when_weights_exceed_the_last_level_cache(monkeypatch):
+    """Weights that fit in the last-level cache are timed cached (no eviction); weights that do
+    not are timed after a read of twice that cache, before every timed pass of every candidate,
+    never inside the timing."""
+    from specserve.kernels import tuner
+    from specserve.kernels.linear import DenseLinear
+
+    llc = tuner.last_level_cache_bytes()  # sysfs's answer here, when it has one
+    assert llc is None or llc >= 1 << 20
+    model = torch.nn.Sequential(DenseLinear(64, 64), DenseLinear(64, 64))  # 2 x 16 KB
+    groups = tuner.model_groups(model)
+    monkeypatch.setattr(tuner, "last_level_cache_bytes", lambda: 1 << 20)
+    assert tuner.cache_evictor(groups) is None
+    monkeypatch.setattr(tuner, "last_level_cache_bytes", lambda: 16 << 10)
+    evict = tuner.cache_evictor(groups)
+    assert evict is not None and evict.__self__.numel() * 4 == 32 << 10  # twice the cache
+    order: list[str] = []
+    runs = [{"a": lambda: order.append("a"), "b": lambda: order.append("b")}]
+    tuner.time_candidates(runs, 2, lambda: order.append("evict"))
+    assert order == ["a", "b"] + ["evict", "a", "evict", "b"] * 2  # warm-up, then 2 repeats
+
+
 def test_projection_seconds_interpolates_between_measured_counts():
     """Hand-worked: linear between measured counts (9 rows are not priced as 8), the smallest
     count below it, proportional above the largest; groups add up."""
