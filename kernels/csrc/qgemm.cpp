@@ -20,9 +20,9 @@
 // the 512-bit form runs two groups, 16 features, per instruction). Q8_0's signed codes go in
 // as unsigned w + 128 and lose 128 * sum(x) after (exact). Rows per pass: 1, 2, 4 or 8 (that
 // many rows share a pass, the rest in halving passes), or 16 in the AVX-512 form (16 at a time,
-// all the rest in one pass). The integer dot is exact in every
-// form and the float ops per feature are the same, so all variants give the same bits; the
-// tuner (kernels/tuner.py) picks whichever runs fastest on the machine.
+// all the rest in one pass). The integer dot is exact in every form and the float ops per
+// feature are the same, so all variants give the same bits; the tuner (kernels/tuner.py) picks
+// whichever runs fastest on the machine.
 //
 // Batch invariance: y[i, n] is computed by the same sequence of instructions whatever M is and
 // however rows are grouped (1 to 16 rows share each unpacked weight block; each row keeps its
@@ -147,18 +147,23 @@ inline __m256 load_half8(const uint16_t* p) {
 // at 1 row 3.0 -> 2.5 ms on Zen 5, every form, 4 to 16 KB ahead alike. A hint: same bits.
 constexpr int64_t kPrefetchBytes = 8192;
 
+// Addresses as integers: near the end of the weights the target lies past the array (a prefetch
+// never faults, but pointer arithmetic out of bounds is undefined).
+inline void prefetch_at(const void* base, int64_t offset) {
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + offset),
+               _MM_HINT_T0);
+}
+
 template <int BlockBytes>
 inline void prefetch_codes(const void* group, int64_t b) {
-  const char* p = static_cast<const char*>(group) + b * BlockBytes + kPrefetchBytes;
-  for (int l = 0; l < BlockBytes / 64; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+  for (int l = 0; l < BlockBytes / 64; ++l)
+    prefetch_at(group, b * BlockBytes + kPrefetchBytes + 64 * l);
 }
 
 // 8 float16 scales a block: one 64-byte line holds 4 blocks' worth.
 template <int BlockBytes>
 inline void prefetch_scales(const uint16_t* group, int64_t b) {
-  if ((b & 3) == 0)
-    _mm_prefetch(reinterpret_cast<const char*>(group + (b + kPrefetchBytes / BlockBytes) * 8),
-                 _MM_HINT_T0);
+  if ((b & 3) == 0) prefetch_at(group, (b + kPrefetchBytes / BlockBytes) * 16);
 }
 
 // One Q4_1 block of a group (128 bytes) -> its 8 vectors of codes 0..15: w[v] the low nibbles
@@ -505,21 +510,21 @@ SPECSERVE_TARGET_AVX512 void avx512_pass(const Job& j, int64_t g, int64_t i) {
     int64_t i = 0;                                                               \
     for (; i + 16 <= j.M; i += 16) PASS<16>(j, g, i);                            \
     switch (j.M - i) {                                                           \
-      case 1: PASS<1>(j, g, i); break;                                      \
-      case 2: PASS<2>(j, g, i); break;                                      \
-      case 3: PASS<3>(j, g, i); break;                                      \
-      case 4: PASS<4>(j, g, i); break;                                      \
-      case 5: PASS<5>(j, g, i); break;                                      \
-      case 6: PASS<6>(j, g, i); break;                                      \
-      case 7: PASS<7>(j, g, i); break;                                      \
-      case 8: PASS<8>(j, g, i); break;                                      \
-      case 9: PASS<9>(j, g, i); break;                                      \
-      case 10: PASS<10>(j, g, i); break;                                      \
-      case 11: PASS<11>(j, g, i); break;                                      \
-      case 12: PASS<12>(j, g, i); break;                                      \
-      case 13: PASS<13>(j, g, i); break;                                      \
-      case 14: PASS<14>(j, g, i); break;                                      \
-      case 15: PASS<15>(j, g, i); break;                                      \
+      case 1: PASS<1>(j, g, i); break;                                           \
+      case 2: PASS<2>(j, g, i); break;                                           \
+      case 3: PASS<3>(j, g, i); break;                                           \
+      case 4: PASS<4>(j, g, i); break;                                           \
+      case 5: PASS<5>(j, g, i); break;                                           \
+      case 6: PASS<6>(j, g, i); break;                                           \
+      case 7: PASS<7>(j, g, i); break;                                           \
+      case 8: PASS<8>(j, g, i); break;                                           \
+      case 9: PASS<9>(j, g, i); break;                                           \
+      case 10: PASS<10>(j, g, i); break;                                         \
+      case 11: PASS<11>(j, g, i); break;                                         \
+      case 12: PASS<12>(j, g, i); break;                                         \
+      case 13: PASS<13>(j, g, i); break;                                         \
+      case 14: PASS<14>(j, g, i); break;                                         \
+      case 15: PASS<15>(j, g, i); break;                                         \
       default: break;                                                            \
     }                                                                            \
   }
