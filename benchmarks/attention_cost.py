@@ -39,6 +39,7 @@ from benchmarks.report import (  # noqa: E402
     results_section,
     run_info,
 )
+from specserve.config import DTYPES  # noqa: E402
 from specserve.kernels import quant_ext  # noqa: E402
 from specserve.kernels.cpp_build import load_extension  # noqa: E402
 from specserve.target.loader import cache_root  # noqa: E402
@@ -50,9 +51,6 @@ def cached_extension(key: str):
     if not built.exists():
         raise BenchError(f"no cached build {built}: run the earlier checkout once to build it")
     return load_extension(f"specserve_qgemm_{key}", [], built.parent, [])
-
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -126,10 +124,10 @@ def main() -> int:
         if not quant_ext.available():
             raise BenchError("the C++ kernels are not available on this machine")
         base = cached_extension(args.baseline_key) if args.baseline_key else None
-        dtypes = [_DTYPES.get(d) for d in parse_list(args.kv_cache_dtypes, str,
+        dtypes = [DTYPES.get(d) for d in parse_list(args.kv_cache_dtypes, str,
                                                      "--kv-cache-dtypes")]
         if None in dtypes:
-            raise BenchError(f"--kv-cache-dtypes takes {', '.join(_DTYPES)} "
+            raise BenchError(f"--kv-cache-dtypes takes {', '.join(DTYPES)} "
                              f"(got {args.kv_cache_dtypes!r})")
         if len(dtypes) > 1 and (base is not None or args.form is not None):
             raise BenchError("--kv-cache-dtypes with several dtypes uses each one's measured "

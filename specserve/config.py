@@ -11,7 +11,8 @@ import torch
 
 from specserve.errors import ConfigError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# dtype names the flags take (--dtype, --kv-cache-dtype; the loader and benchmarks read it)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -99,9 +100,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"kv-cache-dtype must be auto, float32, float16 or bfloat16 "
                               f"(got {self.kv_cache_dtype!r})")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(
-                f"dtype must be one of auto, {', '.join(_DTYPES)} (got {self.dtype!r})"
+                f"dtype must be one of auto, {', '.join(DTYPES)} (got {self.dtype!r})"
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N] (got {self.device!r})")
@@ -156,7 +157,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 f"CPU, --attention-backend auto or cpu_paged); this engine uses {backend!r} on "
                 f"{device.type}: use --kv-cache-dtype auto"
             )
-        return _DTYPES[choice]
+        return DTYPES[choice]
 
     def resolve_dtype(self, device: torch.device, quantized: bool = False) -> torch.dtype:
         """auto: float32 around quantized projections (their kernels take and give float32);
@@ -171,7 +172,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 )
             return torch.float32
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return DTYPES[self.dtype]
         if device.type == "cuda":
             return torch.bfloat16
         return torch.float32

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from specserve.config import DTYPES
 from specserve.errors import ModelLoadError, UnsupportedArchitectureError
 from specserve.target.config import ModelConfig, check_architecture
 from specserve.target.model import CausalLM
@@ -40,7 +41,6 @@ from specserve.target.model import CausalLM
 log = logging.getLogger(__name__)
 
 _CACHE_FORMAT = "1"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
@@ -211,11 +211,11 @@ def resolve_dtype(
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        declared = _DTYPES.get(model_config.torch_dtype or "", torch.float32)
+        declared = DTYPES.get(model_config.torch_dtype or "", torch.float32)
         return declared if torch.device(device).type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 # Distilled drafts (``specserve distill``) store the target token id of each row of their
