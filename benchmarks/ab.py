@@ -41,10 +41,10 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
-from specserve.config import EngineConfig  # noqa: E402
-from specserve.engine import LLMEngine  # noqa: E402
-from specserve.outputs import OutputMerger  # noqa: E402
-from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
+from specserve.core.config import EngineConfig  # noqa: E402
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
+from specserve.engine.outputs import OutputMerger  # noqa: E402
 
 
 def load_chats(engine, name: str, limit: int | None = None) -> tuple[Path, list[list[int]]]:

@@ -39,10 +39,10 @@ from benchmarks.report import (  # noqa: E402
     results_section,
     run_info,
 )
-from specserve.config import DTYPES  # noqa: E402
+from specserve.core.config import DTYPES  # noqa: E402
+from specserve.core.paths import cache_root  # noqa: E402
 from specserve.kernels import quant_ext  # noqa: E402
 from specserve.kernels.cpp_build import load_extension  # noqa: E402
-from specserve.target.loader import cache_root  # noqa: E402
 
 
 def cached_extension(key: str):
@@ -137,7 +137,7 @@ def main() -> int:
         return 2
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    from specserve.models import default_model_path
+    from specserve.engine.models import default_model_path
     from specserve.target.config import ModelConfig
     from specserve.target.loader import load_weights
 

@@ -1,7 +1,7 @@
 """Latency attribution: where one request's time goes, from the client's send to its [DONE].
 
 The engine and the real HTTP server run in this process (the server on a free port), so engine
-spans (``specserve.tracing``) and the client share one clock. After ``--warmup`` unmeasured
+spans (``specserve.engine.tracing``) and the client share one clock. After ``--warmup`` unmeasured
 requests, one streamed chat request runs with a recording tracer. The table splits the client's
 end-to-end time into: chat template and tokenize, queue (from the request's own timings), the
 engine steps phase by phase (schedule, draft prefill, each draft step, n-gram lookup / draft
@@ -35,7 +35,7 @@ from benchmarks.report import (
     write_json,
     write_results_section,
 )
-from specserve.tracing import SpanEvent, Tracer
+from specserve.engine.tracing import SpanEvent, Tracer
 
 HEADING = "## Latency attribution (one request)"
 STEP_CHILDREN = ("schedule", "draft_prefill", "propose", "target_forward", "sample", "output")
@@ -163,10 +163,10 @@ async def measure(engine: Any, target: Target, prompt: str, method: str, warmup:
     import aiohttp
     from aiohttp import web
 
-    from specserve.async_engine import AsyncEngine
-    from specserve.server import create_app
-    from specserve.server_config import ServerConfig
-    from specserve.tracing import NullTracer
+    from specserve.engine.async_engine import AsyncEngine
+    from specserve.engine.tracing import NullTracer
+    from specserve.server.app import create_app
+    from specserve.server.server_config import ServerConfig
 
     aengine = AsyncEngine(engine, max_queue_len=16, warmup=True)
     runner = web.AppRunner(create_app(aengine, ServerConfig(port=0)), handler_cancellation=True)
@@ -223,7 +223,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     from specserve.cli import engine_config_from_args
-    from specserve.engine import LLMEngine
+    from specserve.engine.llm_engine import LLMEngine
 
     prompts = load_workload(args.workload)
     if not 0 <= args.prompt_index < len(prompts):

@@ -44,7 +44,7 @@ class EngineBackend:
         self.fresh_cache = fresh_cache
 
     def generate(self, prompt: list[int], max_new_tokens: int) -> Generation:
-        from specserve.sampling_params import SamplingParams, SpeculativeParams
+        from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 
         if self.fresh_cache:
             self.engine.clear_speculation_caches()

@@ -22,11 +22,11 @@ import time
 import aiohttp
 from aiohttp import web
 
-from specserve.async_engine import AsyncEngine
-from specserve.config import EngineConfig
-from specserve.engine import LLMEngine
-from specserve.server import create_app
-from specserve.server_config import ServerConfig
+from specserve.core.config import EngineConfig
+from specserve.engine.async_engine import AsyncEngine
+from specserve.engine.llm_engine import LLMEngine
+from specserve.server.app import create_app
+from specserve.server.server_config import ServerConfig
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -99,9 +99,9 @@ def main() -> int:
 
     answer = scripted
     if not args.no_generate:
-        from specserve.config import EngineConfig
-        from specserve.engine import LLMEngine
-        from specserve.sampling_params import SamplingParams
+        from specserve.core.config import EngineConfig
+        from specserve.core.sampling_params import SamplingParams
+        from specserve.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(EngineConfig(model=args.model, draft_model="none"))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

@@ -154,7 +154,7 @@ def _sse_event(s: _Stream, obj: dict, endpoint: str) -> None:
 
 
 class WsClient:
-    """Many concurrent requests multiplexed on one WebSocket (see specserve/ws.py)."""
+    """Many concurrent requests multiplexed on one WebSocket (see specserve/server/ws.py)."""
 
     def __init__(self, ws: aiohttp.ClientWebSocketResponse, target: Target) -> None:
         self.ws, self.target = ws, target

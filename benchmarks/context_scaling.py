@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks.report import publish, results_section, run_info  # noqa: E402
-from specserve.config import EngineConfig  # noqa: E402
-from specserve.engine import LLMEngine  # noqa: E402
-from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
+from specserve.core.config import EngineConfig  # noqa: E402
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 PARAGRAPH = ("The committee met on Tuesday to review the budget, the schedule and the open "
              "questions about the new library. ")

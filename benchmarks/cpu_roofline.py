@@ -40,9 +40,9 @@ from benchmarks.report import (  # noqa: E402
     results_section,
     run_info,
 )
+from specserve.core.paths import cache_root  # noqa: E402
 from specserve.kernels import quant_ext  # noqa: E402
 from specserve.kernels.cpp_build import load_extension  # noqa: E402
-from specserve.target.loader import cache_root  # noqa: E402
 
 KINDS = ("fma256", "fma512", "dpbusd256", "dpbusd512", "dpbf16_512")
 PEAK_SOURCE = ROOT / "csrc" / "peak_ops.cpp"
@@ -118,7 +118,7 @@ def main() -> int:
             raise BenchError("the C++ kernels are not available on this machine")
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        from specserve.models import default_model_path
+        from specserve.engine.models import default_model_path
 
         path = args.model or default_model_path()
         mods = load_projections(path)

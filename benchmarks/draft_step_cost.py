@@ -28,10 +28,10 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from specserve.config import EngineConfig  # noqa: E402
+from specserve.core.config import EngineConfig  # noqa: E402
 from specserve.distill.evaluate import median_seconds  # noqa: E402
 from specserve.draft.base import ProposalRequest  # noqa: E402
-from specserve.engine import LLMEngine  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 from specserve.kernels.metadata import AttentionMetadata, token_positions  # noqa: E402
 from specserve.target.model import FeatureCapture  # noqa: E402
 

@@ -29,14 +29,14 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from specserve.config import EngineConfig  # noqa: E402
+from specserve.core.config import EngineConfig  # noqa: E402
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.distill.data import PROMPTS_FILE, load_prompts  # noqa: E402
 from specserve.distill.eagle_ttt import ttt_forward  # noqa: E402
 from specserve.distill.evaluate import _per_position  # noqa: E402
 from specserve.draft.eagle_head import EagleHead, load_head  # noqa: E402
-from specserve.engine import LLMEngine  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 from specserve.kernels.metadata import AttentionMetadata  # noqa: E402
-from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.target.model import FeatureCapture  # noqa: E402
 
 STEPS = 3

@@ -79,7 +79,7 @@ KERNEL_CASES = {
 
 def check_kernels(block_size: int) -> list[tuple[str, str, str]]:
     """(backend, case, result) rows; result is the relative error or why it was skipped."""
-    from specserve.errors import ConfigError
+    from specserve.core.errors import ConfigError
     from specserve.kernels.registry import get_attention_backend
     from specserve.kernels.torch_ref import TorchPagedAttention
 
@@ -192,10 +192,10 @@ def step_cost(models: RandomModels, backend_name: str, block_size: int, iters: i
 
 
 def decode_speed(models: RandomModels, args) -> list[tuple]:
-    import specserve.engine as engine_mod
-    from specserve.config import EngineConfig
-    from specserve.engine import LLMEngine
-    from specserve.sampling_params import SamplingParams, SpeculativeParams
+    import specserve.engine.llm_engine as engine_mod
+    from specserve.core.config import EngineConfig
+    from specserve.core.sampling_params import SamplingParams, SpeculativeParams
+    from specserve.engine.llm_engine import LLMEngine
 
     engine_mod.build_model = models  # random weights on the GPU instead of a checkpoint
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)

@@ -85,7 +85,7 @@ def main() -> int:
             raise BenchError("the C++ block kernels are not available on this machine")
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        from specserve.models import default_model_path
+        from specserve.engine.models import default_model_path
 
         path = args.model or default_model_path()
         mods = load_projections(path)

@@ -293,7 +293,7 @@ def run_offline(args: argparse.Namespace, argv: list[str]) -> OfflineReport:
     from transformers.utils import logging as hf_logging
 
     from specserve.cli import engine_config_from_args
-    from specserve.engine import LLMEngine
+    from specserve.engine.llm_engine import LLMEngine
 
     for name in ("num_prompts", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
@@ -334,7 +334,7 @@ class Setup:
 
 
 def build_backends(args: argparse.Namespace, engine: Any, engine_load: float) -> Setup:
-    from specserve.models import resolve_model_path
+    from specserve.engine.models import resolve_model_path
 
     eos = None if args.ignore_eos else sorted(engine.eos_token_ids)
     llama, llama_load = None, 0.0

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks.report import publish, results_section, run_info  # noqa: E402
-from specserve.config import EngineConfig  # noqa: E402
-from specserve.engine import LLMEngine  # noqa: E402
-from specserve.sampling_params import SamplingParams  # noqa: E402
+from specserve.core.config import EngineConfig  # noqa: E402
+from specserve.core.sampling_params import SamplingParams  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def hf_reference_model(engine: LLMEngine):

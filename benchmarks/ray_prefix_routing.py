@@ -95,8 +95,7 @@ def run_config(engine_config, server_config, scale, bodies: list[dict],
                concurrency: int) -> dict:
     from ray import serve
 
-    from specserve import ray_serve
-
+    from specserve.scale import ray_serve
     serve.run(ray_serve.build_app(engine_config, server_config, scale), name=ray_serve.APP_NAME,
               route_prefix="/")
     url = f"http://127.0.0.1:{server_config.port}"
@@ -139,10 +138,10 @@ def main() -> None:
                             text=True, cwd=ROOT).stdout.strip()  # the code that runs
     import ray
 
-    from specserve import ray_serve
-    from specserve.config import EngineConfig
-    from specserve.scale_config import ScaleConfig
-    from specserve.server_config import ServerConfig
+    from specserve.core.config import EngineConfig
+    from specserve.scale import ray_serve
+    from specserve.scale.scale_config import ScaleConfig
+    from specserve.server.server_config import ServerConfig
 
     bodies = [{"prompt": system_prompt(p) + "Question: " + QUESTIONS[q % len(QUESTIONS)]
                + "\nAnswer:", "max_tokens": args.max_tokens, "temperature": 0,

@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks.ab import load_chats, run  # noqa: E402
 from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
-from specserve.config import EngineConfig  # noqa: E402
+from specserve.core.config import EngineConfig  # noqa: E402
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.draft.base import (  # noqa: E402
     FinishedSequence,
     PrefillChunk,
@@ -38,8 +39,7 @@ from specserve.draft.base import (  # noqa: E402
     ProposalRequest,
     Proposer,
 )
-from specserve.engine import LLMEngine  # noqa: E402
-from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 class OracleProposer:

@@ -23,9 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from specserve.config import EngineConfig  # noqa: E402
-from specserve.engine import LLMEngine  # noqa: E402
-from specserve.sampling_params import SamplingParams  # noqa: E402
+from specserve.core.config import EngineConfig  # noqa: E402
+from specserve.core.sampling_params import SamplingParams  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def step_seconds(engine: LLMEngine, steps: int) -> float:

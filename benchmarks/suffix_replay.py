@@ -28,12 +28,12 @@ sys.path.insert(0, str(ROOT.parent))
 
 from benchmarks.ab import load_chats  # noqa: E402
 from benchmarks.report import publish, results_section, run_info  # noqa: E402
-from specserve.config import EngineConfig  # noqa: E402
+from specserve.core.config import EngineConfig  # noqa: E402
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.draft.base import FinishedSequence, ProposalRequest  # noqa: E402
 from specserve.draft.ngram import find_ngram_draft  # noqa: E402
 from specserve.draft.suffix import SuffixOptions, SuffixProposer  # noqa: E402
-from specserve.engine import LLMEngine  # noqa: E402
-from specserve.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def replay(prompts: list[list[int]], outputs: list[list[int]], k: int, draft_fn,

@@ -185,7 +185,7 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     import msgspec
 
     from specserve.cli import engine_config_from_args
-    from specserve.config import EngineConfig
+    from specserve.core.config import EngineConfig
 
     chosen = msgspec.structs.asdict(engine_config_from_args(args))
     defaults = msgspec.structs.asdict(EngineConfig())

@@ -43,9 +43,9 @@ from benchmarks.report import (  # noqa: E402
     run_info,
     write_section,
 )
-from specserve.config import EngineConfig  # noqa: E402
-from specserve.engine import LLMEngine  # noqa: E402
-from specserve.sampling_params import SamplingParams  # noqa: E402
+from specserve.core.config import EngineConfig  # noqa: E402
+from specserve.core.sampling_params import SamplingParams  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 HEADING = "## vs llama.cpp"
 STOPS = {"EOS": False, "fixed N": True}  # stop rule -> ignore_eos

@@ -123,7 +123,7 @@ def add_distill_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from specserve.errors import ConfigError
+    from specserve.core.errors import ConfigError
 
     if args.eval:
         from specserve.distill.evaluate import EvalConfig, run_eval
@@ -191,7 +191,7 @@ def _eval_folders(args: argparse.Namespace) -> tuple[str | None, str | None]:
         return args.draft or (str(args.out / "draft") if args.out else None), args.eagle
     draft = args.draft or in_out("draft")
     if draft is None and args.target is None:
-        from specserve.models import resolve_draft
+        from specserve.engine.models import resolve_draft
 
         draft = resolve_draft(None, None)
     return draft, args.eagle or in_out("eagle")
@@ -221,7 +221,7 @@ def _cmd_eagle(args: argparse.Namespace) -> int:
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    from specserve.errors import ConfigError
+    from specserve.core.errors import ConfigError
 
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -230,7 +230,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _floats(text: str) -> list[float]:
-    from specserve.errors import ConfigError
+    from specserve.core.errors import ConfigError
 
     try:
         return [float(x) for x in text.split(",") if x.strip()]

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specserve.errors import ConfigError
+from specserve.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def _chunks(items: list, size: int) -> Iterator[tuple[int, list]]:
 
 
 def generate_teacher_data(
-    engine,  # specserve.engine.LLMEngine (typed loosely: importing it here would be circular)
+    engine,  # an LLMEngine (typed loosely: importing it here would be circular)
     prompts: list[Prompt] | list[Conversation],
     folder: Path,
     *,
@@ -227,7 +227,7 @@ class _StreamingGenerator:
     done) and writes each chunk's shard in order once all its conversations are finished."""
 
     def __init__(self, engine, max_tokens: int, temperature: float, logprobs: bool) -> None:
-        from specserve.sampling_params import SamplingParams
+        from specserve.core.sampling_params import SamplingParams
 
         self.engine = engine
         self.logprobs = logprobs
@@ -300,7 +300,7 @@ class _StreamingGenerator:
         if len(ids) + 1 >= self.max_len:  # no room for an answer: the conversation ends here
             return False
         rid = f"teacher-{chunk.shard.stem}-{conv.id}-{turn}"
-        from specserve.outputs import OutputMerger
+        from specserve.engine.outputs import OutputMerger
 
         self.pending[rid] = (chunk, conv, turn, ids, OutputMerger(), chat)
         self.engine.add_request(rid, ids, self.params)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from specserve.core.errors import ConfigError
 from specserve.distill.data import PROMPTS_FILE, Conversation, generate_teacher_data, load_prompts
-from specserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ def conversations(cfg: DataGenConfig) -> tuple[list[Conversation], list[Conversa
 
 def run_datagen(cfg: DataGenConfig) -> dict:
     """Generates (or resumes) both splits; returns (and logs to gen_log.jsonl) the speeds."""
-    from specserve.config import EngineConfig
-    from specserve.engine import LLMEngine
+    from specserve.core.config import EngineConfig
+    from specserve.engine.llm_engine import LLMEngine
 
     if cfg.turns < 1:
         raise ConfigError(f"--turns must be >= 1 (got {cfg.turns})")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from specserve.core.errors import ConfigError
 from specserve.distill.data import TeacherData
 from specserve.distill.eagle_train import EagleTrainConfig
-from specserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def run_eagle(cfg: EagleConfig) -> Path:
     from specserve.distill.eagle_train import Teacher, train_head
     from specserve.distill.student import choose_head_vocab
     from specserve.draft.eagle_head import default_target_layers
-    from specserve.models import resolve_model_path
+    from specserve.engine.models import resolve_model_path
     from specserve.target.loader import load_weights
 
     data_dir = cfg.data or cfg.out / "data" / "train"

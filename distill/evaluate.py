@@ -166,9 +166,9 @@ def measure(cfg: EvalConfig, folder: str | None = None, method: str = "draft",
     """Rows per (temperature, k) for the draft at ``folder`` (default ``cfg.draft``) used as
     ``method`` (draft | eagle), and its draft cost relative to a target step. ``clock`` times
     the end-to-end runs (default ``time.perf_counter``; tests pass a counter)."""
-    from specserve.config import EngineConfig
-    from specserve.engine import LLMEngine
-    from specserve.sampling_params import GREEDY_BELOW, SamplingParams, SpeculativeParams
+    from specserve.core.config import EngineConfig
+    from specserve.core.sampling_params import GREEDY_BELOW, SamplingParams, SpeculativeParams
+    from specserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(
         model=cfg.target, draft_model=folder or cfg.draft, dtype=cfg.dtype,

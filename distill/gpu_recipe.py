@@ -120,7 +120,7 @@ def prepare(gguf: Path | None) -> list[tuple[str, list[str]]]:
                 "--platform", "manylinux2014_x86_64", "-d", str(whl), f"{name}=={version}",
             ], check=True)
     if gguf is None:
-        from specserve.models import default_model_path
+        from specserve.engine.models import default_model_path
 
         gguf = Path(default_model_path())
     if _sha256(gguf) != GGUF_SHA256:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
+from specserve.core.errors import ConfigError
 from specserve.distill.data import PROMPTS_FILE, generate_teacher_data, load_prompts
 from specserve.distill.student import StudentSpec, build_student, choose_head_vocab, save_student
 from specserve.distill.train import TrainConfig, train
-from specserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ class DistillConfig:
 
 def run_distill(cfg: DistillConfig) -> Path | None:
     """Runs (or resumes) every stage; returns the draft folder (None with ``data_only``)."""
-    from specserve.config import EngineConfig
-    from specserve.engine import LLMEngine
+    from specserve.core.config import EngineConfig
+    from specserve.engine.llm_engine import LLMEngine
     from specserve.target.loader import load_weights
 
     if cfg.num_threads:

@@ -72,7 +72,7 @@ class Proposal:
     # (cumulative: that it and every token before it are right).
     confidence: list[list[float]] | None = None
     # Per request, how many tokens of context the draft's match covers (model-free proposers):
-    # the policy prices drafts by it (specserve/acceptance_model.py).
+    # the policy prices drafts by it (specserve/spec/acceptance_model.py).
     match_lengths: list[int] | None = None
 
 

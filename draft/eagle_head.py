@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specserve.errors import ModelLoadError
+from specserve.core.errors import ModelLoadError
 from specserve.kernels.linear import DenseLinear
 from specserve.kernels.metadata import AttentionMetadata
 from specserve.kernels.registry import AttentionBackend

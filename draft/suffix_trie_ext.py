@@ -37,8 +37,8 @@ def build_key() -> str:
 def load() -> ModuleType:
     """The compiled module (``.SuffixTrie``); builds it on the first call on this machine.
     Raises with the reason when it cannot be had here."""
+    from specserve.core.paths import cache_root
     from specserve.kernels.cpp_build import load_extension
-    from specserve.target.loader import cache_root
 
     key = build_key()
     return load_extension(f"specserve_suffix_{key}", [_SOURCE],

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-from specserve.errors import ConfigError
+from specserve.core.errors import ConfigError
 from specserve.kernels.metadata import AttentionMetadata
 from specserve.kernels.torch_ref import write_kv
 

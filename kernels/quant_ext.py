@@ -22,8 +22,8 @@ from types import ModuleType
 
 import torch
 
+from specserve.core.paths import cache_root
 from specserve.kernels.cpp_build import load_extension
-from specserve.target.loader import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from specserve.errors import ConfigError
+from specserve.core.errors import ConfigError
 from specserve.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.errors import UnsupportedArchitectureError
+from specserve.core.errors import UnsupportedArchitectureError
 
 # rope types whose frequencies depend on the running sequence length: keys cached at one length
 # would be wrong at another, so a paged KV cache cannot serve them exactly.

@@ -13,9 +13,9 @@ import time
 
 import msgspec
 
-from specserve.config import EngineConfig
+from specserve.core.config import EngineConfig
+from specserve.core.errors import SpecServeError
 from specserve.distill.cli import add_distill_parser, cmd_distill
-from specserve.errors import SpecServeError
 
 # field -> (help, argparse type). Order is the order --help shows.
 _ENGINE_FLAGS: dict[str, tuple[str, type]] = {
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_serve_parser(sub) -> None:
-    from specserve.server_config import ServerConfig
+    from specserve.server.server_config import ServerConfig
 
     d = ServerConfig()
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP/SSE + WebSocket API")
@@ -157,8 +157,8 @@ def add_serve_parser(sub) -> None:
 
 
 def add_scale_args(srv: argparse.ArgumentParser) -> None:
-    """Replicas on Ray Serve (the `ray` extra); see specserve/ray_serve.py."""
-    from specserve.scale_config import ROUTERS, ScaleConfig
+    """Replicas on Ray Serve (the `ray` extra); see specserve/scale/ray_serve.py."""
+    from specserve.scale.scale_config import ROUTERS, ScaleConfig
 
     d = ScaleConfig()
     group = srv.add_argument_group("scale-out (Ray Serve; needs `pip install specserve[ray]`)")
@@ -189,7 +189,7 @@ def add_scale_args(srv: argparse.ArgumentParser) -> None:
 
 
 def scale_config_from_args(args: argparse.Namespace):
-    from specserve.scale_config import ScaleConfig
+    from specserve.scale.scale_config import ScaleConfig
 
     return ScaleConfig(
         replicas=args.replicas, ray_address=args.ray_address, replica_cpus=args.replica_cpus,
@@ -199,8 +199,8 @@ def scale_config_from_args(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specserve.engine import LLMEngine
-    from specserve.sampling_params import SamplingParams
+    from specserve.core.sampling_params import SamplingParams
+    from specserve.engine.llm_engine import LLMEngine
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -236,10 +236,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from specserve.async_engine import AsyncEngine
-    from specserve.engine import LLMEngine
-    from specserve.server import configure_logging, run_server
-    from specserve.server_config import ServerConfig
+    from specserve.engine.async_engine import AsyncEngine
+    from specserve.engine.llm_engine import LLMEngine
+    from specserve.server.app import configure_logging, run_server
+    from specserve.server.server_config import ServerConfig
 
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key, max_queue_len=args.max_queue_len,
@@ -251,7 +251,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scale = scale_config_from_args(args)
     if scale.uses_ray:
         try:
-            from specserve import ray_serve
+            from specserve.scale import ray_serve
         except ImportError as exc:
             raise SpecServeError(f"--replicas / --ray-address need Ray Serve ({exc}): "
                                  "pip install 'specserve[ray]'") from exc

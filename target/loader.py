@@ -8,7 +8,7 @@ produced into a cache folder, an ordinary HF folder that later loads take in abo
     $SPECSERVE_CACHE_DIR (default ~/.cache/specserve)/gguf-<sha256(abs path, size, mtime,
         transformers and gguf versions)>/
         weights/    config.json + model.safetensors (float32, exactly as dequantized)
-        tokenizer/  tokenizer files (written by specserve.models.load_tokenizer)
+        tokenizer/  tokenizer files (written by specserve.engine.models.load_tokenizer)
 
 Any change to the GGUF file (size or mtime) or to the converting libraries gives a new key, so
 a stale cache is never read. Each subfolder is written to a temporary name and renamed into
@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from specserve.config import DTYPES
-from specserve.errors import ModelLoadError, UnsupportedArchitectureError
+from specserve.core.config import DTYPES
+from specserve.core.errors import ModelLoadError, UnsupportedArchitectureError
+from specserve.core.paths import cache_root
 from specserve.target.config import ModelConfig, check_architecture
 from specserve.target.model import CausalLM
 
@@ -50,10 +51,6 @@ def is_gguf(path: str | os.PathLike[str]) -> bool:
         return False
     with open(p, "rb") as f:
         return f.read(4) == b"GGUF"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")
 
 
 def gguf_cache_dir(path: str | os.PathLike[str]) -> Path:

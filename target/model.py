@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.errors import ModelLoadError
+from specserve.core.errors import ModelLoadError
 from specserve.kernels.linear import DenseLinear
 from specserve.kernels.metadata import AttentionMetadata
 from specserve.kernels.norm import rms_norm

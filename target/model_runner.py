@@ -1,6 +1,6 @@
 """ModelRunner: a loaded CausalLM plus its paged KV cache, run on one flattened batch per step.
 
-The runner owns the KV tensors; the block manager (specserve.block_manager) owns which block
+The runner owns the KV tensors; the block manager (specserve.engine.block_manager) owns which block
 ids are in use. Block ids index the same rows of every layer's cache, so one block table per
 sequence addresses the whole model (and, with the same ids, the draft model's own runner).
 """

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.errors import ConfigError
+from specserve.core.errors import ConfigError
 from specserve.kernels import quant_ext
 from specserve.kernels.quant import (
     BlockQuantLinear,

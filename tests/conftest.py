@@ -12,7 +12,7 @@ from tests.test_engine import BASE, build_model_dir
 def text_model(tmp_path_factory) -> str:
     """A tiny random Llama that speaks the default model's tokenizer (chat template included),
     so stop strings, chat rendering and distillation run on real text."""
-    from specserve.models import default_model_path, load_tokenizer
+    from specserve.engine.models import default_model_path, load_tokenizer
 
     path = tmp_path_factory.mktemp("text_model")
     tok = load_tokenizer(default_model_path())

@@ -1,4 +1,4 @@
-"""Per-token acceptance of model-free drafts (specserve/acceptance_model.py): the hazards it
+"""Per-token acceptance of model-free drafts (specserve/spec/acceptance_model.py): the hazards it
 learns against the ones that generated the outcomes, and what the policy does with them."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import random
 import numpy as np
 import pytest
 
-from specserve.acceptance_model import AcceptanceModel, DraftHints, expected_by_k
+from specserve.core.sampling_params import SamplingParams
 from specserve.draft.base import ProposalRequest
 from specserve.draft.ngram import NgramProposer, find_ngram_match
 from specserve.draft.suffix import SuffixProposer
-from specserve.sampling_params import SamplingParams
-from specserve.spec_policy import Candidate
+from specserve.spec.acceptance_model import AcceptanceModel, DraftHints, expected_by_k
+from specserve.spec.policy import Candidate
 from tests.test_spec_decode import check_greedy, make, models
 from tests.test_spec_policy import policy_with_step_cost
 from tests.test_suffix_engine import copy_prompt

@@ -15,8 +15,8 @@ import re
 import aiohttp
 import pytest
 
-from specserve.server_config import ServerConfig
-from specserve.text_sources import TextSources
+from specserve.engine.text_sources import TextSources
+from specserve.server.server_config import ServerConfig
 from tests.test_server import (  # noqa: F401  (model_dir is a fixture)
     KEY,
     ServerThread,

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 from openapi_spec_validator import validate
 
-from specserve.server_config import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.test_server import (  # noqa: F401  (model_dir is a fixture)
     KEY,
     NAME,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from specserve.errors import ConfigError
+from specserve.core.errors import ConfigError
 from specserve.kernels import registry
 from specserve.kernels.metadata import AttentionMetadata
 from specserve.kernels.registry import get_attention_backend

@@ -22,7 +22,7 @@ import torch
 from benchmarks import backends, offline, report, stats, sweep
 from benchmarks.__main__ import main as bench_main
 from benchmarks.attribution import attribute
-from specserve.tracing import NullTracer, SpanEvent, Tracer
+from specserve.engine.tracing import NullTracer, SpanEvent, Tracer
 from tests.test_server import ServerThread, build_tiny, engine_config
 
 ENGINE_FLAGS = ["--num-kv-blocks", "1024", "--block-size", "4", "--max-model-len", "512",
@@ -185,7 +185,7 @@ def test_resolve_modes():
 
 @pytest.fixture(scope="module")
 def live(tiny):
-    from specserve.server_config import ServerConfig
+    from specserve.server.server_config import ServerConfig
 
     srv = ServerThread(engine_config(tiny, draft_model=tiny, adaptive_speculation=False,
                                      num_threads=1), ServerConfig(port=0))
@@ -430,9 +430,9 @@ def test_oracle_proposer_cuts_drafts_to_the_accepted_prefix(tiny):
     """benchmarks/spec_ceiling.py's oracle: cut by hand-worked cases, then through the engine,
     where every cut draft must be accepted and the output stay plain decoding's."""
     from benchmarks.spec_ceiling import OracleProposer
+    from specserve.core.sampling_params import SamplingParams, SpeculativeParams
     from specserve.draft.base import Proposal, ProposalRequest, StatelessProposer
-    from specserve.engine import LLMEngine
-    from specserve.sampling_params import SamplingParams, SpeculativeParams
+    from specserve.engine.llm_engine import LLMEngine
 
     class Fixed(StatelessProposer):
         name = "fixed"

@@ -22,11 +22,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from specserve import block_manager as bm_mod
-from specserve.block_manager import BlockManager
-from specserve.errors import ConfigError
-from specserve.sampling_params import SamplingParams
-from specserve.sequence import Sequence
+from specserve.core.errors import ConfigError
+from specserve.core.sampling_params import SamplingParams
+from specserve.core.sequence import Sequence
+from specserve.engine import block_manager as bm_mod
+from specserve.engine.block_manager import BlockManager
 
 _next_id = [0]
 

@@ -18,8 +18,8 @@ import time
 import aiohttp
 import pytest
 
-from specserve.server import APP_KEY
-from specserve.server_config import ServerConfig
+from specserve.server.app import APP_KEY
+from specserve.server.server_config import ServerConfig
 from tests.test_server import (  # noqa: F401  (model_dir / offline are fixtures)
     NAME,
     PROMPTS,

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from specserve.config import EngineConfig
-from specserve.engine import LLMEngine
-from specserve.models import default_model_path
-from specserve.sampling_params import SamplingParams
-from specserve.tokenizer import IncrementalDetokenizer, find_stop
+from specserve.core.config import EngineConfig
+from specserve.core.sampling_params import SamplingParams
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.models import default_model_path
+from specserve.engine.tokenizer import IncrementalDetokenizer, find_stop
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -71,8 +71,8 @@ def test_shipped_draft_is_the_default_and_output_stays_exact(engine, hf_model):
     """With no flags the built-in model loads the shipped distilled draft and speculates with
     auto (suffix decoding or that draft); greedy output with the draft is still transformers'
     token for token, and the draft earns acceptances."""
-    from specserve.models import DEFAULT_DRAFT_DIR
-    from specserve.sampling_params import SpeculativeParams
+    from specserve.core.sampling_params import SpeculativeParams
+    from specserve.engine.models import DEFAULT_DRAFT_DIR
 
     assert engine.config.draft_model == str(DEFAULT_DRAFT_DIR)
     assert engine.config.default_speculative_method == "auto"

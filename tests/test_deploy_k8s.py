@@ -13,9 +13,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from specserve.async_engine import EngineStats
-from specserve.metrics import ServerMetrics
-from specserve.server_config import ServerConfig
+from specserve.engine.async_engine import EngineStats
+from specserve.server.metrics import ServerMetrics
+from specserve.server.server_config import ServerConfig
 from tests.test_server import (  # noqa: F401  (model_dir is a fixture)
     GOOD,
     NAME,

@@ -12,14 +12,14 @@ import torch
 from transformers import LlamaConfig
 
 from specserve.cli import main as cli_main
+from specserve.core.errors import ModelLoadError
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from specserve.distill.data import Prompt, TeacherData
 from specserve.distill.evaluate import EvalConfig, measure, paired_speedup, run_eval
 from specserve.distill.run import DistillConfig, run_distill
 from specserve.distill.student import StudentSpec, build_student, choose_head_vocab, save_student
 from specserve.distill.train import TrainConfig, evaluate, head_lookup, make_batches
-from specserve.engine import LLMEngine
-from specserve.errors import ModelLoadError
-from specserve.sampling_params import SamplingParams, SpeculativeParams
+from specserve.engine.llm_engine import LLMEngine
 from specserve.target.loader import load_weights
 from tests.test_engine import BASE, build_model_dir, hf_greedy
 from tests.test_spec_decode import chi_square, exact_second_token_distribution, make
@@ -251,7 +251,7 @@ def test_distill_cli_errors_are_one_line(capsys):
 
 
 def test_default_draft_resolution(tmp_path):
-    from specserve.models import DEFAULT_DRAFT_DIR, resolve_draft
+    from specserve.engine.models import DEFAULT_DRAFT_DIR, resolve_draft
 
     assert (DEFAULT_DRAFT_DIR / "config.json").is_file()  # the distilled draft ships in the repo
     assert resolve_draft(None, None) == str(DEFAULT_DRAFT_DIR)

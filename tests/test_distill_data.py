@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specserve.cli import main as cli_main
+from specserve.core.errors import ConfigError
 from specserve.distill import corpus
 from specserve.distill.data import (
     Conversation,
@@ -19,7 +20,6 @@ from specserve.distill.data import (
     generate_teacher_data,
     load_prompts,
 )
-from specserve.errors import ConfigError
 from tests.test_engine import hf_greedy
 from tests.test_spec_decode import make
 

@@ -9,7 +9,7 @@ transformers' greedy generate on the same weights.
 
 from __future__ import annotations
 
-from specserve.sampling_params import SamplingParams, SpeculativeParams
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from tests.test_engine import prompts
 from tests.test_spec_decode import check_greedy, make, models  # noqa: F401 (fixture)
 

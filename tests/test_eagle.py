@@ -15,17 +15,17 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from specserve.config import EngineConfig
+from specserve.core.config import EngineConfig
+from specserve.core.errors import ConfigError
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from specserve.distill.data import TeacherData
 from specserve.distill.eagle_build import build_head, save_head
 from specserve.distill.eagle_train import Batch, EagleTrainConfig, Teacher, train_head
 from specserve.distill.eagle_ttt import ttt_forward
 from specserve.draft.eagle_head import EagleRunner, default_target_layers
-from specserve.engine import LLMEngine
-from specserve.errors import ConfigError
+from specserve.engine.llm_engine import LLMEngine
 from specserve.kernels.metadata import AttentionMetadata, token_positions
 from specserve.kernels.registry import get_attention_backend
-from specserve.sampling_params import SamplingParams, SpeculativeParams
 from specserve.target.loader import load_weights
 from specserve.target.model import FeatureCapture
 from tests.test_engine import BASE, build_model_dir, hf_greedy, prompts

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from specserve.config import EngineConfig
-from specserve.engine import LLMEngine
-from specserve.errors import ConfigError, InvalidRequestError
-from specserve.sampling_params import SamplingParams
+from specserve.core.config import EngineConfig
+from specserve.core.errors import ConfigError, InvalidRequestError
+from specserve.core.sampling_params import SamplingParams
+from specserve.engine.llm_engine import LLMEngine
 
 BASE = dict(
     vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -15,7 +15,7 @@ import time
 
 import aiohttp
 
-from specserve.server_config import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.test_server import (  # noqa: F401  (model_dir / offline are fixtures)
     NAME,
     PROMPTS,
@@ -94,7 +94,7 @@ def test_forward_exception_fails_that_step_and_serving_goes_on(model_dir, offlin
 _DYING_SERVER = """
 import sys
 from specserve import cli
-from specserve.engine import LLMEngine
+from specserve.engine.llm_engine import LLMEngine
 
 class EngineThreadDeath(BaseException):  # not an Exception: nothing on the way catches it
     pass

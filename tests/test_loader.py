@@ -1,6 +1,7 @@
-"""specserve.target.loader and specserve.models: error messages, a tiny GGUF written here (F32
-tensors, llama.cpp's q/k row permutation, a byte-level BPE tokenizer) loaded like transformers
-loads it, and the GGUF cache (hit, identical tensors, invalidation when the file changes)."""
+"""specserve.target.loader and specserve.engine.models: error messages, a tiny GGUF written
+here (F32 tensors, llama.cpp's q/k row permutation, a byte-level BPE tokenizer) loaded like
+transformers loads it, and the GGUF cache (hit, identical tensors, invalidation when the file
+changes)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from specserve.errors import ModelLoadError, UnsupportedArchitectureError
-from specserve.models import load_tokenizer, resolve_model_path
+from specserve.core.errors import ModelLoadError, UnsupportedArchitectureError
+from specserve.engine.models import load_tokenizer, resolve_model_path
 from specserve.target.config import ModelConfig
 from specserve.target.loader import build_model, gguf_cache_dir, load_weights
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig
 
-from specserve.config import EngineConfig
-from specserve.engine import LLMEngine
-from specserve.sampling_params import SamplingParams
+from specserve.core.config import EngineConfig
+from specserve.core.sampling_params import SamplingParams
+from specserve.engine.llm_engine import LLMEngine
 from tests.test_engine import BASE, build_model_dir, hf_greedy, prompts
 
 

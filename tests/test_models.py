@@ -192,7 +192,7 @@ def test_default_model_matches_transformers():
     from transformers import LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
-    from specserve.models import resolve_model_path
+    from specserve.engine.models import resolve_model_path
     from specserve.target.config import ModelConfig
     from specserve.target.model import CausalLM
 

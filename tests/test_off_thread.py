@@ -15,7 +15,7 @@ import threading
 
 import aiohttp
 
-from specserve.server_config import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.test_server import (  # noqa: F401  (model_dir is a fixture)
     NAME,
     ServerThread,

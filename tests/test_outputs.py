@@ -9,12 +9,12 @@ import asyncio
 import pytest
 from transformers import LlamaConfig
 
-from specserve.async_engine import AsyncEngine
-from specserve.config import EngineConfig
-from specserve.engine import LLMEngine
-from specserve.outputs import OutputMerger, RequestOutput
-from specserve.sampling import TokenLogprob
-from specserve.sampling_params import SamplingParams
+from specserve.core.config import EngineConfig
+from specserve.core.sampling import TokenLogprob
+from specserve.core.sampling_params import SamplingParams
+from specserve.engine.async_engine import AsyncEngine
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.outputs import OutputMerger, RequestOutput
 from tests.test_engine import BASE, build_model_dir, prompts
 
 LONG = 4100  # output tokens of the slow-reader test (the issue asks for at least 4k)

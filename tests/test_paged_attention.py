@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from specserve.errors import ConfigError
+from specserve.core.errors import ConfigError
 from specserve.kernels.metadata import AttentionMetadata
 from specserve.kernels.registry import get_attention_backend
 

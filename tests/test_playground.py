@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.server_config import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.test_server import (  # noqa: F401  (model_dir / offline are fixtures)
     KEY,
     ServerThread,

@@ -51,7 +51,7 @@ def test_gguf_blocks_dequantize_like_gguf_bit_for_bit(type_name, tmp_path):
 def test_default_model_blocks_equal_transformers_weights():
     """The built-in GGUF's Q4_1 projections (q/k un-permuted, fused) and its Q8_0 table, loaded
     natively, dequantize bit for bit to the float tensors transformers' GGUF loader produces."""
-    from specserve.models import default_model_path
+    from specserve.engine.models import default_model_path
     from specserve.target.loader import build_model, load_weights
     from specserve.target.quantize import gguf_block_weights
 
@@ -309,8 +309,8 @@ def test_row_plan_lookup():
 
 def _engine(model: str | None, quantization: str, method: str, max_model_len: int = 1024,
             kv_cache_dtype: str = "auto"):
-    from specserve.config import EngineConfig
-    from specserve.engine import LLMEngine
+    from specserve.core.config import EngineConfig
+    from specserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(
         model=model, quantization=quantization, speculative_method=method, draft_model="none",
@@ -344,7 +344,7 @@ def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization, kv
     questions = [REWRITE, "List three uses of a paperclip.", "Write a haiku about the sea."]
     prompts = [plain.encode(plain.render_chat([{"role": "user", "content": q}]))
                for q in questions]
-    from specserve.sampling_params import SamplingParams
+    from specserve.core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=48, temperature=0.0)
     a = plain.generate(prompts, params)
@@ -359,8 +359,8 @@ def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization, kv
 def test_16_bit_kv_caches_need_the_cpp_attention():
     """float16 / bfloat16 caches only where the C++ attention reads them; ``auto`` keeps the
     model's dtype elsewhere (the dense float32 path stays the transformers-exact reference)."""
-    from specserve.config import EngineConfig
-    from specserve.errors import ConfigError
+    from specserve.core.config import EngineConfig
+    from specserve.core.errors import ConfigError
 
     with pytest.raises(ConfigError,
                        match="kv-cache-dtype must be auto, float32, float16 or bfloat16"):
@@ -375,7 +375,7 @@ def test_16_bit_kv_caches_need_the_cpp_attention():
 
 def test_quantized_hf_folder_speculation_equals_plain(text_model):
     """An HF folder quantized at load (int4 and int8): greedy n-gram output equals plain."""
-    from specserve.sampling_params import SamplingParams
+    from specserve.core.sampling_params import SamplingParams
 
     for quantization in ("int4", "int8"):
         plain = _engine(text_model, quantization, "off", 512)
@@ -387,8 +387,8 @@ def test_quantized_hf_folder_speculation_equals_plain(text_model):
 
 
 def test_quantization_flag_errors():
-    from specserve.config import EngineConfig
-    from specserve.errors import ConfigError
+    from specserve.core.config import EngineConfig
+    from specserve.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="quantization must be"):
         EngineConfig(quantization="int3")
@@ -445,8 +445,8 @@ def test_default_model_native_4bit_speculation_same_text_over_http():
     per-request speculation off / ngram / draft gives the same greedy chat answer, over HTTP.
     The second and third requests of a prompt hit the prefix cache, so this also checks that a
     cached prefix changes no bits."""
-    from specserve.config import EngineConfig
-    from specserve.server_config import ServerConfig
+    from specserve.core.config import EngineConfig
+    from specserve.server.server_config import ServerConfig
     from tests.test_server import KEY, NAME, ServerThread, http
 
     srv = ServerThread(

@@ -19,10 +19,10 @@ import pytest
 ray = pytest.importorskip("ray", reason="the `ray` extra is not installed (make test installs it)")
 from ray import serve  # noqa: E402
 
-from specserve import ray_serve  # noqa: E402
-from specserve.prefix_key import AffinityTable, prefix_hashes  # noqa: E402
-from specserve.scale_config import ScaleConfig  # noqa: E402
-from specserve.server_config import ServerConfig  # noqa: E402
+from specserve.scale import ray_serve  # noqa: E402
+from specserve.scale.prefix_key import AffinityTable, prefix_hashes  # noqa: E402
+from specserve.scale.scale_config import ScaleConfig  # noqa: E402
+from specserve.server.server_config import ServerConfig  # noqa: E402
 from tests.test_server import (  # noqa: E402, F401  (model_dir is a fixture)
     NAME,
     ServerThread,
@@ -274,9 +274,11 @@ def test_ray_front_end_reuses_the_transport_neutral_modules():
     """ray_serve.py answers through api.py / replies.py, never through the aiohttp module."""
     from tests.test_module_boundaries import PKG, imported_modules
 
-    for name in ("replies.py", "ray_serve.py", "ray_router.py", "prefix_key.py"):
-        assert "specserve.server" not in imported_modules(PKG / name), name
-    assert {"specserve.api", "specserve.replies"} <= imported_modules(PKG / "ray_serve.py")
+    for name in ("server/replies.py", "scale/ray_serve.py", "scale/ray_router.py",
+                 "scale/prefix_key.py"):
+        assert "specserve.server.app" not in imported_modules(PKG / name), name
+    assert {"specserve.server.api", "specserve.server.replies"} <= imported_modules(
+        PKG / "scale" / "ray_serve.py")
 
 
 def test_scale_flags_map_onto_scale_config(capsys):

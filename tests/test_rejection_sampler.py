@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from specserve.rejection_sampler import SpecDecodeRow, rejection_sample
-from specserve.sampling import SampleRequest, process_logits, sample
-from specserve.sampling_params import SamplingParams
+from specserve.core.sampling import SampleRequest, process_logits, sample
+from specserve.core.sampling_params import SamplingParams
+from specserve.spec.rejection_sampler import SpecDecodeRow, rejection_sample
 from tests.test_sampling import expected_distribution
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)

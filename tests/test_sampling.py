@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from specserve.errors import InvalidRequestError
-from specserve.sampling import SampleRequest, process_logits, sample
-from specserve.sampling_params import SamplingParams
+from specserve.core.errors import InvalidRequestError
+from specserve.core.sampling import SampleRequest, process_logits, sample
+from specserve.core.sampling_params import SamplingParams
 
 
 def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
@@ -107,7 +107,7 @@ def test_draw_follows_the_distribution():
     """Inverse-CDF draws (one uniform a row) against the probabilities, unnormalized input,
     zero-probability tokens never drawn."""
     probs = torch.tensor([0.0, 3.0, 1.0, 0.0, 4.0, 2.0]).repeat(40000, 1)
-    from specserve.sampling import draw
+    from specserve.core.sampling import draw
 
     tokens = draw(probs, torch.Generator().manual_seed(9))
     counts = torch.bincount(tokens, minlength=6).double()

@@ -10,11 +10,11 @@ import random
 
 import pytest
 
-from specserve.block_manager import BlockManager
-from specserve.config import EngineConfig
-from specserve.sampling_params import SamplingParams
-from specserve.scheduler import Scheduler
-from specserve.sequence import Sequence, SequenceStatus
+from specserve.core.config import EngineConfig
+from specserve.core.sampling_params import SamplingParams
+from specserve.core.sequence import Sequence, SequenceStatus
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.scheduler import Scheduler
 
 
 def make(num_blocks, block_size=4, max_num_seqs=8, budget=32, prefix=True):

@@ -25,12 +25,12 @@ import torch
 from aiohttp import web
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from specserve.async_engine import AsyncEngine
-from specserve.config import EngineConfig
-from specserve.engine import LLMEngine
-from specserve.sampling_params import SamplingParams
-from specserve.server import create_app
-from specserve.server_config import ServerConfig
+from specserve.core.config import EngineConfig
+from specserve.core.sampling_params import SamplingParams
+from specserve.engine.async_engine import AsyncEngine
+from specserve.engine.llm_engine import LLMEngine
+from specserve.server.app import create_app
+from specserve.server.server_config import ServerConfig
 
 KEY = "test-key"
 NAME = "tiny"
@@ -38,7 +38,7 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):",
 
 
 def build_tiny(path: str) -> None:
-    from specserve.models import default_model_path, load_tokenizer
+    from specserve.engine.models import default_model_path, load_tokenizer
 
     tok = load_tokenizer(default_model_path())
     cfg = LlamaConfig(

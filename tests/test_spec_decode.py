@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from specserve.config import EngineConfig
-from specserve.engine import LLMEngine
-from specserve.errors import ModelLoadError
-from specserve.sampling_params import SamplingParams, SpeculativeParams
-from specserve.spec_policy import Candidate, SpeculationPolicy, expected_tokens
+from specserve.core.config import EngineConfig
+from specserve.core.errors import ModelLoadError
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams
+from specserve.engine.llm_engine import LLMEngine
+from specserve.spec.policy import Candidate, SpeculationPolicy, expected_tokens
 from tests.test_engine import BASE, build_model_dir, hf_greedy, prompts
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -229,8 +229,8 @@ def chi_square(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, flo
 
 def test_distribution_test_catches_a_broken_accept_rule(models, monkeypatch):
     """Negative control: accept every draft (ignoring p/q) and the same test must fail."""
-    import specserve.speculator as speculator_mod
-    from specserve.rejection_sampler import SpecDecodeResult
+    import specserve.spec.speculator as speculator_mod
+    from specserve.spec.rejection_sampler import SpecDecodeResult
 
     real = speculator_mod.rejection_sample
 

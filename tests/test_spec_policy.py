@@ -3,7 +3,7 @@ are given, never measured here)."""
 
 from __future__ import annotations
 
-from specserve.spec_policy import Candidate, SpeculationPolicy, expected_tokens
+from specserve.spec.policy import Candidate, SpeculationPolicy, expected_tokens
 
 
 def policy_with_step_cost(fixed: float, per_token: float) -> SpeculationPolicy:

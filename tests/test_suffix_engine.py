@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.config import EngineConfig
+from specserve.core.config import EngineConfig
+from specserve.core.errors import ConfigError, InvalidRequestError
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from specserve.draft.base import ProposalRequest
 from specserve.draft.registry import REGISTRY, UnknownProposerError
-from specserve.errors import ConfigError, InvalidRequestError
-from specserve.sampling_params import SamplingParams, SpeculativeParams
 from tests.test_engine import hf_greedy, prompts
 from tests.test_spec_decode import GREEDY, check_greedy, make, models, repetitive_prompts
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.server_config import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.test_server import NAME, ServerThread, engine_config, http, model_dir
 
 __all__ = ["model_dir"]  # the module-scoped fixture, shared with test_server

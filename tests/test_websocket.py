@@ -13,7 +13,7 @@ import time
 import aiohttp
 import pytest
 
-from specserve.server_config import ServerConfig
+from specserve.server.server_config import ServerConfig
 from tests.test_server import (  # noqa: F401  (model_dir / offline are fixtures)
     KEY,
     NAME,

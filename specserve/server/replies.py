@@ -1,0 +1,157 @@
+"""The body of a completions / chat answer, whatever carries it: one JSON document, or SSE frames
+ending with ``data: [DONE]``. Transport-neutral (bytes out), so the aiohttp server (server.py)
+and the Ray Serve replicas (ray_serve.py) write the same bodies.
+
+Errors before the first byte (bad body, queue full, not ready) are raised by ``open_reply`` and
+mapped by the caller with ``api.error_of``; errors after the SSE stream has begun (the engine
+died, the deadline passed) become one ``data: {"error": ...}`` event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from specserve.engine.async_engine import (
+    EngineStepError,
+    EngineUnavailableError,
+    RequestStream,
+)
+from specserve.engine.outputs import OutputMerger, RequestOutput
+from specserve.server import protocol as P
+from specserve.server.api import Job, Server, error_of
+from specserve.server.deadlines import RequestTimeoutError
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+SSE_DONE = b"data: [DONE]\n\n"
+_enc = msgspec.json.Encoder()
+
+
+def sse_frame(obj: object) -> bytes:
+    return b"data: " + _enc.encode(obj) + b"\n\n"
+
+
+def error_body(exc: BaseException) -> tuple[int, bytes]:
+    """(HTTP status, OpenAI error JSON) of any exception."""
+    status, info = error_of(exc)
+    return status, _enc.encode(P.ErrorResponse(info))
+
+
+@dataclass
+class Reply:
+    """One admitted request. Read it once, with ``json()`` (non-streaming) or ``sse()``; either
+    closes its streams when done or abandoned (so the engine aborts what is unfinished)."""
+
+    server: Server
+    job: Job
+    streams: list[RequestStream]
+    finals: list[RequestOutput] = field(default_factory=list)  # each choice's last output
+
+    @property
+    def log_fields(self) -> dict:
+        """The request's one log line (after the reply was read)."""
+        usage = P.usage_of(self.finals)
+        return {"request_id": self.job.id,
+                "finish_reasons": [o.finish_reason for o in self.finals],
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "timings": P.timings_of(self.finals)}
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+
+    async def json(self) -> bytes:
+        """The whole answer: the deltas of each choice merged."""
+        merged = [OutputMerger() for _ in self.streams]
+        async for i, out in self.server.outputs(self.streams, self.job.deadline):
+            merged[i].add(out)
+        self.finals = [o for o in (m.take() for m in merged) if o is not None]
+        return _enc.encode(_response(self.server, self.job, self.finals))
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        """SSE frames (one per output with something new), then ``[DONE]``."""
+        job, server, n = self.job, self.server, len(self.streams)
+        sent_chars = [0] * n
+        finals: list[RequestOutput | None] = [None] * n
+        try:
+            if job.kind == "chat":
+                for i in range(n):
+                    yield sse_frame(_chat_chunk(job, i, P.ChatDelta("assistant", "")))
+            async for i, out in server.outputs(self.streams, job.deadline):
+                lps = (out.logprobs or []) if job.logprobs else []
+                if not (out.text or out.finished or lps):
+                    continue
+                reason = out.finish_reason if out.finished else None
+                timings = P.timings_of([out]) if out.finished else None
+                if job.kind == "chat":
+                    lp = P.chat_logprobs(lps, server.token_text) if job.logprobs else None
+                    delta = P.ChatDelta(content=out.text or None)
+                    chunk: object = _chat_chunk(job, i, delta, lp, reason, timings)
+                else:
+                    lp2 = (P.completion_logprobs(lps, server.token_text, sent_chars[i])
+                           if job.logprobs else None)
+                    choice = P.CompletionChoice(i, out.text, lp2, reason)
+                    chunk = P.CompletionResponse(job.id, "text_completion", job.created,
+                                                 job.model, [choice], timings=timings)
+                sent_chars[i] += len(out.text)
+                yield sse_frame(chunk)
+                if out.finished:
+                    finals[i] = out
+            self.finals = [o for o in finals if o is not None]
+            if job.include_usage:
+                usage, timings = P.usage_of(self.finals), P.timings_of(self.finals)
+                final: object = (_chat_chunk(job, None, None, usage=usage, timings=timings)
+                                 if job.kind == "chat" else
+                                 P.CompletionResponse(job.id, "text_completion", job.created,
+                                                      job.model, [], usage, timings))
+                yield sse_frame(final)
+        except (EngineUnavailableError, EngineStepError, RequestTimeoutError) as exc:
+            yield sse_frame(P.ErrorResponse(error_of(exc)[1]))  # mid-stream: an error event
+        finally:
+            self.close()
+        yield SSE_DONE
+
+
+async def open_reply(server: Server, kind: str, body: bytes, tenant: str = "",
+                     arrival: float | None = None) -> Reply:
+    """Parses and admits one request (raises for a 4xx/5xx answer before any byte is sent).
+    ``arrival``: loop time the request arrived (its deadline starts there)."""
+    arrival = asyncio.get_running_loop().time() if arrival is None else arrival
+    if not server.engine.ready:  # cheap early answer; add_requests checks again
+        raise EngineUnavailableError(f"the engine is not ready ({server.engine.state})")
+    job = await server.parse(kind, body, arrival=arrival)
+    return Reply(server, job, await server.admit(job, tenant))
+
+
+def _chat_chunk(job: Job, index: int | None, delta: P.ChatDelta | None,
+                lp: P.ChatLogprobs | None = None, reason: str | None = None,
+                timings: dict | None = None, usage: P.UsageInfo | None = None) -> P.ChatChunk:
+    choices = [] if index is None or delta is None else [
+        P.ChatChunkChoice(index, delta, lp, reason)]
+    return P.ChatChunk(job.id, "chat.completion.chunk", job.created, job.model, choices, usage,
+                       timings)
+
+
+def _response(server: Server, job: Job, outs: list[RequestOutput]) -> object:
+    usage, timings = P.usage_of(outs), P.timings_of(outs)
+    text = server.token_text
+    if job.kind == "chat":
+        chat_choices = [
+            P.ChatChoice(i, P.ChatMessageOut("assistant", o.text),
+                         P.chat_logprobs(o.logprobs or [], text) if job.logprobs else None,
+                         o.finish_reason)
+            for i, o in enumerate(outs)]
+        return P.ChatResponse(job.id, "chat.completion", job.created, job.model, chat_choices,
+                              usage, timings)
+    choices = [
+        P.CompletionChoice(i, o.text,
+                           P.completion_logprobs(o.logprobs or [], text, 0) if job.logprobs
+                           else None, o.finish_reason)
+        for i, o in enumerate(outs)]
+    return P.CompletionResponse(job.id, "text_completion", job.created, job.model, choices,
+                                usage, timings)
