@@ -4,10 +4,9 @@ Runs S concurrent streams of N tokens against an in-process server twice in the 
 once alone (baseline) and once with a ~1 MiB completion prompt posted after the streams have
 started. Inter-token latency (ITL) is measured on the client, per SSE chunk divided by the tokens
 it carried. Prints p50 / p99 ITL of both runs and their ratio (same run, so machine noise
-largely cancels). Tokenizing 1 MiB takes seconds; if it ran on the engine thread (as it did
-before issue 15) the streams would stall for that long and p99 would grow by orders of
-magnitude; on the text worker the ratio stays near 1 (bounded by CPU contention on small
-machines: the encode still uses a core).
+largely cancels). Tokenizing 1 MiB takes seconds; if it ran on the engine thread the streams
+would stall for that long and p99 would grow by orders of magnitude; on the text worker the
+ratio stays near 1 (bounded by CPU contention on small machines: the encode still uses a core).
 
     python benchmarks/big_prompt_itl.py [--model PATH] [--streams 4] [--tokens 64]
 """

@@ -1,7 +1,7 @@
 """The draft being distilled ("student"): a few decoder layers of the target's own architecture,
 the target's (frozen) token embeddings, and an output head over a reduced vocabulary.
 
-Why this shape (measured on SmolLM2-135M, see issue 5): at this size the draft's cost decides
+Why this shape (measured on SmolLM2-135M): at this size the draft's cost decides
 the gain, and a head over all 49k tokens costs as much as two decoder layers. A head over the
 most frequent tokens of the target's own output covers almost every token it emits; sampling
 stays exact because tokens the draft never proposes are covered by the rejection sampler's

@@ -2,7 +2,8 @@
 (ws.py) parse, admit and stream through the same ``Server``, and map errors the same way.
 
 Kept apart from server.py so that ws.py builds on it without importing the REST module (no
-import cycle), and so that another front end (a Ray Serve ingress, issue 17) can reuse it.
+import cycle), and so that another front end (the Ray Serve ingress in
+specserve/scale/ray_serve.py) can reuse it.
 """
 
 from __future__ import annotations

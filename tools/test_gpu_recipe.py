@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.distill import gpu_recipe
+from tools import gpu_recipe
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """The GPU recipe: teacher data (tokens only, >= 1M answer tokens) and the EAGLE head, on a lent
-GPU machine reached through a tool that copies the working tree (64 MiB a call, carried paths
+GPU machine. A development tool, not part of the installed package: it is written for one
+remote-machine tool's limits. That tool copies the working tree (64 MiB a call, carried paths
 included), runs one bash command (<= 2,000 characters, <= 10 minutes) and returns what it wrote
 under $OUT (<= 8 files of <= 16 MiB, 64 MiB in all). The machine has torch with CUDA and
 transformers but not gguf, msgspec or structlog, and reaches no network.
@@ -10,12 +11,12 @@ outside the repository (/root/specserve-gguf) between calls. The machine stays w
 after a call, so run the calls back to back: if it is given back in between, the stored parts
 are gone and the last call says so (start again at call 1).
 
-Here, once, in the root of the checkout the device tool sends (the session's own checkout,
-also when a helper's worktree made the change; it splits the GGUF into .gguf_parts/, downloads
-the wheels into .whl/, adds both to .git/info/exclude, and prints the exact calls, with the
-number of parts computed from that tree's size):
+Here, once, in the root of the checkout the device tool sends (the one it copies, whichever
+worktree made the change; it splits the GGUF into .gguf_parts/, downloads the wheels into
+.whl/, adds both to .git/info/exclude, and prints the exact calls, with the number of parts
+computed from that tree's size):
 
-    python -m specserve.distill.gpu_recipe prepare
+    python -m tools.gpu_recipe prepare
 
 The calls for a 3-part split (what ``prepare`` printed for this tree):
 
@@ -24,20 +25,20 @@ The calls for a 3-part split (what ``prepare`` printed for this tree):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-    TQDM_MININTERVAL=20 || exit; python3 -m specserve.distill.gpu_recipe store
-    .gguf_parts/part-1-of-3 && python3 -m specserve.distill.gpu_recipe check --out $OUT
+    TQDM_MININTERVAL=20 || exit; python3 -m tools.gpu_recipe store
+    .gguf_parts/part-1-of-3 && python3 -m tools.gpu_recipe check --out $OUT
 
   call 2, carry [".gguf_parts/part-2-of-3"]:
 
-    python3 -m specserve.distill.gpu_recipe store .gguf_parts/part-2-of-3
+    python3 -m tools.gpu_recipe store .gguf_parts/part-2-of-3
 
   call 3, carry [".whl", ".gguf_parts/part-3-of-3"] (reassembles and checks the sha256, makes
   the teacher data, trains the EAGLE head if `specserve distill --method eagle` exists, packs):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-    TQDM_MININTERVAL=20 || exit; python3 -m specserve.distill.gpu_recipe store
-    .gguf_parts/part-3-of-3 && python3 -m specserve.distill.gpu_recipe run --out $OUT --minutes 9
+    TQDM_MININTERVAL=20 || exit; python3 -m tools.gpu_recipe store
+    .gguf_parts/part-3-of-3 && python3 -m tools.gpu_recipe run --out $OUT --minutes 9
 
 (each command is one line; wrapped here). ``run`` writes to $OUT: ``speeds.json`` (data
 generation and training: tokens, seconds, tok/s, which engine options ran), ``recipe.log``
@@ -81,8 +82,9 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
 PRE = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
        "--target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 "
        "TQDM_MININTERVAL=20 || exit; ")
-# Run uninstalled from the tree's root: specserve/__init__.py finds distill/ beside it.
-RECIPE = "python3 -m specserve.distill.gpu_recipe"
+# Run uninstalled from the tree's root: ``-m`` puts the root on sys.path, so both ``tools`` and
+# ``specserve`` (whose __init__.py finds distill/ etc. beside it) import from this tree.
+RECIPE = "python3 -m tools.gpu_recipe"
 
 
 # --- here: prepare ----------------------------------------------------------------------------
@@ -233,7 +235,7 @@ class Recipe:
                 break
             start = time.monotonic()
             run_spec = dict(spec, dtype=dtype, attention_backend=backend)
-            rc = self.sh([sys.executable, "-m", "specserve.distill.gpu_recipe", "datagen",
+            rc = self.sh([sys.executable, "-m", "tools.gpu_recipe", "datagen",
                           json.dumps(run_spec)], timeout)
             timeout -= time.monotonic() - start
             log = Path(spec["out"]) / "data" / "gen_log.jsonl"
@@ -361,7 +363,7 @@ def datagen(spec_json: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m specserve.distill.gpu_recipe", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.gpu_recipe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("prepare", help="here: wheels, GGUF parts, excludes; prints the calls")
