@@ -203,7 +203,7 @@ def main() -> int:
     llm = llama_cpp.Llama(model_path=engine.model_path, n_threads=args.threads,
                           n_threads_batch=args.threads, n_ctx=4096, verbose=False, seed=0)
     modes = [m for m in args.modes.split(",")
-             if m != "draft" or engine.draft_config is not None]
+             if m != "draft" or engine.speculator.draft is not None]
     # The instruct model's chat template on every workload; the same ids go to both sides.
     chats = {wl: [engine.encode(engine.render_chat([{"role": "user", "content": t}]))
                   for t in ts] for wl, ts in texts.items()}

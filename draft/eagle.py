@@ -21,8 +21,8 @@ feeds positions 10, 11, 12 with target features of 9, 10, 11).
 
 Prefill runs the head one chunk behind the target (a chunk's features come only after the
 target's forward); step 0 feeds the rest. The engine never lets an EAGLE sequence hit
-prefix-cache blocks whose head KV is not written (``Sequence.draft_kv_from_target``): the target
-recomputes them and so hands over their features. Where a feature is still missing (the
+prefix-cache blocks whose head KV is not written (``DraftKVLedger.require_draft_kv_hits``): the
+target recomputes them and so hands over their features. Where a feature is still missing (the
 sequence's features were dropped, e.g. a gap), the head uses zeros: that costs acceptance,
 never correctness.
 """
@@ -38,7 +38,7 @@ import torch
 from specserve.draft.base import FinishedSequence, PrefillChunk, Proposal, ProposalRequest
 from specserve.draft.draft_sampler import GREEDY, DraftSampler
 from specserve.draft.eagle_head import EagleRunner
-from specserve.kernels.metadata import AttentionMetadata, token_positions
+from specserve.target.layout import Chunk, build_layout
 
 
 class FeatureRun:
@@ -115,24 +115,20 @@ class EagleProposer:
         target's forward, so the head runs one chunk behind the target (the next step 0, or the
         next chunk, takes the rest). Positions the target skipped (prefix-cache hits) have no
         features: zeros, as in ``propose``."""
-        ids, q_lens, ctx_lens, tables, feats = [], [], [], [], []
+        fed: list[Chunk] = []
+        feats = []
         done = [c.kv_computed for c in chunks]
         for n, c in enumerate(chunks):
             run = self.features.get(c.seq_id)
             hi = min(c.end, run.end + 1) if run is not None else c.kv_computed
             if hi <= c.kv_computed:
                 continue
-            ids.extend(c.token_ids[c.kv_computed:hi])
-            q_lens.append(hi - c.kv_computed)
-            ctx_lens.append(hi)
-            tables.append(list(c.block_table))
+            fed.append(Chunk(c.token_ids[c.kv_computed : hi], c.kv_computed, c.block_table))
             feats.append(self._target_features(c.seq_id, c.kv_computed - 1, hi - 1))
             done[n] = hi
-        if ids:
-            meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.runner.block_size,
-                                           self.device)
-            self.runner.step(torch.tensor(ids, device=self.device), torch.cat(feats),
-                             token_positions(q_lens, ctx_lens), meta)
+        if fed:
+            self.runner.run(build_layout(fed, self.runner.block_size, self.device),
+                            torch.cat(feats))
         return done
 
     def finish(self, done: FinishedSequence) -> None:
@@ -156,32 +152,23 @@ class EagleProposer:
         step = 0
         while active:
             t0 = time.perf_counter()
-            ids, q_lens, ctx_lens, tables, feats = [], [], [], [], []
+            chunks: list[Chunk] = []
+            feats = []
             for i in active:
                 req = requests[i]
                 n = len(req.token_ids)
-                if step == 0:
+                if step == 0:  # positions the head lacks, each with the target feature before it
                     start = min(req.kv_computed, n - 1)
-                    ids.extend(req.token_ids[start:])
-                    q_lens.append(n - start)
-                    ctx_lens.append(n)
+                    chunks.append(Chunk(req.token_ids[start:], start, req.block_table, 1))
                     feats.append(self._target_features(req.seq_id, start - 1, n - 1))
-                else:
-                    ids.append(drafts[i][-1])
-                    q_lens.append(1)
-                    ctx_lens.append(n + step)
-                tables.append(list(req.block_table))
-            meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.runner.block_size,
-                                           self.device)
-            positions = token_positions(q_lens, ctx_lens)
+                else:  # d_step at position n - 1 + step
+                    chunks.append(Chunk([drafts[i][-1]], n - 1 + step, req.block_table, 1))
+            layout = build_layout(chunks, self.runner.block_size, self.device)
             if step == 0:
-                out = self.runner.step(torch.tensor(ids, device=self.device), torch.cat(feats),
-                                       positions, meta)
-                out = out[torch.cumsum(torch.tensor(q_lens, device=self.device), 0) - 1]
+                out = self.runner.run(layout, torch.cat(feats))[layout.logits_indices]
             else:  # one row per active sequence, fed the previous step's outputs in order
                 assert prev is not None
-                out = self.runner.step(torch.tensor(ids, device=self.device), prev, positions,
-                                       meta)  # [A, hidden]
+                out = self.runner.run(layout, prev)  # [A, hidden]
             with torch.inference_mode():
                 logits = self.head.logits(out)  # [A, Vd]
             if greedy:

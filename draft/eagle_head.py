@@ -39,6 +39,7 @@ from specserve.kernels.metadata import AttentionMetadata
 from specserve.kernels.registry import AttentionBackend
 from specserve.kernels.rotary import RotaryEmbedding
 from specserve.target.config import ModelConfig
+from specserve.target.layout import BatchLayout
 from specserve.target.model import DecoderLayer, KVCache, RMSNorm
 
 EAGLE_KEY = "specserve_eagle"
@@ -215,6 +216,11 @@ class EagleRunner:
     def bytes_per_block(head_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * block_size * head_config.num_kv_heads * head_config.head_dim * element
+
+    def run(self, layout: BatchLayout, feats: torch.Tensor) -> torch.Tensor:
+        """The head over a layout; ``feats`` [T, hidden] is g_{p-1} of every fed token p.
+        Returns out_p [T, hidden] (every row: the next step chains on them)."""
+        return self.step(layout.input_ids, feats, layout.positions, layout.meta)
 
     def step(self, input_ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
              meta: AttentionMetadata) -> torch.Tensor:

@@ -3,7 +3,7 @@
 The draft is run by the same ``target.ModelRunner`` code as the target, with its own KV tensors
 indexed by the SAME block ids (one block table per sequence serves both models; the pool was
 sized for both). ``ProposalRequest.kv_computed`` counts the tokens the draft has KV for (the
-engine keeps it per sequence; the proposal returns the new count).
+block manager keeps it per sequence, see core/draft_kv.py; the proposal returns the new count).
 
 Per step, for the decoding sequences that speculate (k_i >= 1):
     draft step 0 feeds every token the draft has no KV for yet: normally just the last token, or
@@ -37,7 +37,7 @@ from specserve.draft.base import (
 )
 from specserve.draft.draft_sampler import GREEDY as _GREEDY
 from specserve.draft.draft_sampler import DraftSampler
-from specserve.kernels.metadata import AttentionMetadata, token_positions
+from specserve.target.layout import Chunk, build_layout
 from specserve.target.model_runner import ModelRunner
 
 
@@ -77,19 +77,10 @@ class DraftModelProposer:
         positions."""
         work = [c for c in chunks if c.kv_computed < c.end]
         if work:
-            ids, q_lens, ctx_lens = [], [], []
-            for c in work:
-                ids.extend(c.token_ids[c.kv_computed : c.end])
-                q_lens.append(c.end - c.kv_computed)
-                ctx_lens.append(c.end)
-            meta = AttentionMetadata.build(q_lens, ctx_lens, [list(c.block_table) for c in work],
-                                           self.block_size, self.device)
-            positions = token_positions(q_lens, ctx_lens)
-            # logits for nothing: an empty index set skips the draft's lm_head entirely.
-            self.runner.forward(
-                torch.tensor(ids, device=self.device), positions.to(self.device), meta,
-                torch.empty(0, dtype=torch.int64, device=self.device),
-            )
+            # logits for nothing: no logits rows skip the draft's lm_head entirely.
+            self.runner.run(build_layout(
+                [Chunk(c.token_ids[c.kv_computed : c.end], c.kv_computed, c.block_table)
+                 for c in work], self.block_size, self.device))
         return [max(c.kv_computed, c.end) for c in chunks]
 
     # ---- drafting -----------------------------------------------------------------------
@@ -109,27 +100,16 @@ class DraftModelProposer:
         step = 0
         while active:
             t0 = time.perf_counter()
-            ids, q_lens, ctx_lens, tables = [], [], [], []
+            chunks: list[Chunk] = []
             for i in active:
                 req = requests[i]
                 n = len(req.token_ids)
-                if step == 0:
+                if step == 0:  # everything the draft has no KV for, up to the last token
                     start = min(req.kv_computed, n - 1)
-                    ids.extend(req.token_ids[start:])
-                    q_lens.append(n - start)
-                    ctx_lens.append(n)
-                else:
-                    ids.append(drafts[i][-1])
-                    q_lens.append(1)
-                    ctx_lens.append(n + step)
-                tables.append(list(req.block_table))
-            meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device)
-            positions = token_positions(q_lens, ctx_lens)
-            last = torch.cumsum(torch.tensor(q_lens), 0) - 1
-            logits, _ = self.runner.forward(
-                torch.tensor(ids, device=self.device), positions.to(self.device), meta,
-                last.to(self.device),
-            )  # [A, V]
+                    chunks.append(Chunk(req.token_ids[start:], start, req.block_table, 1))
+                else:  # d_step at position n - 1 + step
+                    chunks.append(Chunk([drafts[i][-1]], n - 1 + step, req.block_table, 1))
+            logits = self.runner.run(build_layout(chunks, self.block_size, self.device))  # [A, V]
             if greedy:
                 tokens = self.sampler.greedy(logits)
             else:

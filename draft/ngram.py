@@ -43,6 +43,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from specserve.core.config import EngineConfig
+from specserve.core.settings import setting
 from specserve.draft.base import Proposal, ProposalRequest, StatelessProposer
 
 
@@ -86,6 +88,11 @@ def find_ngram_draft(
     return find_ngram_match(tokens, k, min_n, max_n, edit_fallback)[0]
 
 
+# --prompt-lookup-min / -max: their defaults are EngineConfig's
+_DEFAULT_MIN = setting(EngineConfig, "prompt_lookup_min").default
+_DEFAULT_MAX = setting(EngineConfig, "prompt_lookup_max").default
+
+
 class NgramProposer(StatelessProposer):
     """Prompt lookup decoding over each request's own prompt + output tokens.
 
@@ -95,7 +102,7 @@ class NgramProposer(StatelessProposer):
 
     name = "ngram"
 
-    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = _DEFAULT_MIN, max_n: int = _DEFAULT_MAX) -> None:
         if not (1 <= min_n <= max_n):
             raise ValueError(f"min_n must be >= 1 and <= max_n (got {min_n}, {max_n})")
         self.min_n = min_n

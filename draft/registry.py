@@ -1,7 +1,10 @@
 """Proposers by name. The engine's speculator builds every proposer it can from this table, so a
-new method (EAGLE, Medusa, ...) is one ``register`` call beside its class, never an edit of the
-engine or the speculator. Factories import their module lazily: a proposer that needs a GPU
-library never breaks a CPU import.
+new method (Medusa, a grammar-aware lookup, ...) is one ``register`` call beside its class, never
+an edit of the engine or the speculator: what the speculator needs to know about a method it
+reads from the method's ``ProposerSpec`` (which loaded draft it runs, whether ``auto`` tries it
+as its model-free candidate, whether it reads the target's hidden states, its own k_max).
+Factories import their module lazily: a proposer that needs a GPU library never breaks a CPU
+import.
 
 Besides the registered names, a request may say ``off`` (plain decoding) or ``auto`` (the
 speculator picks a registered proposer per step and sequence).
@@ -13,32 +16,42 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.core.config import EngineConfig
 from specserve.draft.base import Proposer
+from specserve.draft.loading import DRAFT_KINDS, DRAFT_MODEL, EAGLE_HEAD
 
 OFF, AUTO = "off", "auto"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProposerContext:
-    """What a factory may build from: settings and, when one is loaded, the draft model."""
+    """What a factory may build from: the engine's settings and, when one is loaded, the draft
+    (``draft_kind`` one of ``specserve.draft.loading.DRAFT_KINDS``; ``draft`` what that kind
+    runs on: a ``ModelRunner`` for a draft model, an ``EagleRunner`` for an EAGLE head)."""
 
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    suffix: Any = None  # specserve.draft.suffix.SuffixOptions
-    draft_runner: Any = None  # target.model_runner.ModelRunner of the draft model, or None
-    eagle_runner: Any = None  # specserve.draft.eagle_head.EagleRunner of an EAGLE head, or None
-    block_size: int = 16
-    seed: int = 0
+    settings: EngineConfig = field(default_factory=EngineConfig)
+    draft_kind: str | None = None
+    draft: Any = None
     # logits [N, V], opaque per-row params -> q [N, V] (the engine's sampling processing)
     probs_fn: Callable[[Any, list[Any]], Any] | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProposerSpec:
     name: str
     factory: Callable[[ProposerContext], Proposer]
-    needs_draft_model: bool = False
-    needs_eagle_head: bool = False
+    # the kind of loaded draft it runs (DRAFT_MODEL, EAGLE_HEAD), None: model-free
+    needs_draft: str | None = None
+    # auto's model-free candidate: drafted first each step, its draft priced by what it says of
+    # itself, then weighed against the model proposers (at most one spec sets it)
+    auto_candidate: bool = False
+    # reads the target's hidden states (an EAGLE head): the target's forward captures them, and
+    # its sequences hit only prefix blocks whose draft KV is written
+    needs_target_features: bool = False
+    # a server whose draft is of ``needs_draft``'s kind uses this method when none is asked
+    default_with_draft: bool = False
+    # its k_max when a request names none (None: num_speculative_tokens)
+    k_max: Callable[[EngineConfig], int] | None = None
     help: str = ""
 
 
@@ -55,6 +68,11 @@ class ProposerRegistry:
     def register(self, spec: ProposerSpec) -> None:
         if spec.name in (OFF, AUTO) or spec.name in self.specs:
             raise ValueError(f"proposer name {spec.name!r} is taken")
+        if spec.needs_draft is not None and spec.needs_draft not in DRAFT_KINDS:
+            raise ValueError(f"proposer {spec.name!r} needs an unknown draft kind "
+                             f"{spec.needs_draft!r}; known: {', '.join(DRAFT_KINDS)}")
+        if spec.auto_candidate and (spec.needs_draft or self.auto_candidate() is not None):
+            raise ValueError("auto has one model-free candidate")
         self.specs[spec.name] = spec
 
     def names(self) -> list[str]:
@@ -70,55 +88,77 @@ class ProposerRegistry:
             raise UnknownProposerError(name, self.methods())
         return spec
 
-    def check_method(self, name: str) -> str:
-        if name not in (OFF, AUTO):
-            self.get(name)
-        return name
+    def auto_candidate(self) -> ProposerSpec | None:
+        return next((s for s in self.specs.values() if s.auto_candidate), None)
+
+    def for_draft(self, kind: str) -> list[str]:
+        """The methods that run a draft of this kind."""
+        return [n for n, s in self.specs.items() if s.needs_draft == kind]
+
+    def default_method(self, draft_kind: str | None) -> str:
+        """The method of requests that name none on a server whose draft is of ``draft_kind``
+        (None: no draft), when the server names none either."""
+        if draft_kind is not None:
+            for name, spec in self.specs.items():
+                if spec.default_with_draft and spec.needs_draft == draft_kind:
+                    return name
+        return AUTO
+
+    def k_max(self, method: str, settings: EngineConfig) -> int:
+        """A request's most draft tokens per step when it names none: the method's own k_max
+        (auto: its model-free candidate's, since that drafts longest), else
+        ``num_speculative_tokens``."""
+        spec = self.auto_candidate() if method == AUTO else self.specs.get(method)
+        if spec is not None and spec.k_max is not None:
+            return spec.k_max(settings)
+        return settings.num_speculative_tokens
 
     def build_available(self, ctx: ProposerContext) -> dict[str, Proposer]:
-        """Every proposer this context can run (the draft-model ones only with a draft, the
-        EAGLE one only with a head)."""
+        """Every proposer this context can run (model-free ones always, the others only with a
+        draft of their kind)."""
         return {
             name: spec.factory(ctx)
             for name, spec in self.specs.items()
-            if (not spec.needs_draft_model or ctx.draft_runner is not None)
-            and (not spec.needs_eagle_head or ctx.eagle_runner is not None)
+            if spec.needs_draft is None or spec.needs_draft == ctx.draft_kind
         }
 
 
 def _ngram(ctx: ProposerContext) -> Proposer:
     from specserve.draft.ngram import NgramProposer
 
-    return NgramProposer(ctx.prompt_lookup_min, ctx.prompt_lookup_max)
+    return NgramProposer(ctx.settings.prompt_lookup_min, ctx.settings.prompt_lookup_max)
 
 
 def _suffix(ctx: ProposerContext) -> Proposer:
     from specserve.draft.suffix import SuffixOptions, SuffixProposer
 
-    return SuffixProposer(ctx.suffix or SuffixOptions())
+    return SuffixProposer(SuffixOptions.from_config(ctx.settings))
 
 
 def _draft(ctx: ProposerContext) -> Proposer:
     from specserve.draft.model_proposer import DraftModelProposer
 
-    return DraftModelProposer(ctx.draft_runner, ctx.block_size, ctx.probs_fn, ctx.seed)
+    return DraftModelProposer(ctx.draft, ctx.settings.block_size, ctx.probs_fn, ctx.settings.seed)
 
 
 def _eagle(ctx: ProposerContext) -> Proposer:
     from specserve.draft.eagle import EagleProposer
 
-    return EagleProposer(ctx.eagle_runner, ctx.probs_fn, ctx.seed)
+    return EagleProposer(ctx.draft, ctx.probs_fn, ctx.settings.seed)
 
 
 def default_registry() -> ProposerRegistry:
     reg = ProposerRegistry()
-    reg.register(ProposerSpec("draft", _draft, needs_draft_model=True,
+    reg.register(ProposerSpec("draft", _draft, needs_draft=DRAFT_MODEL,
                               help="a small LM with the target's tokenizer"))
-    reg.register(ProposerSpec("eagle", _eagle, needs_eagle_head=True,
+    reg.register(ProposerSpec("eagle", _eagle, needs_draft=EAGLE_HEAD,
+                              needs_target_features=True, default_with_draft=True,
                               help="a one-layer head on the target's hidden states "
                                    "(--draft-model DIR from `specserve distill --method eagle`)"))
     reg.register(ProposerSpec("ngram", _ngram, help="prompt lookup in the request's own text"))
-    reg.register(ProposerSpec("suffix", _suffix,
+    # Suffix drafts are as long as their match: they get their own k_max.
+    reg.register(ProposerSpec("suffix", _suffix, auto_candidate=True,
+                              k_max=lambda s: s.suffix_speculative_tokens,
                               help="suffix decoding over the request and earlier outputs"))
     return reg
 

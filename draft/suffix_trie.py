@@ -160,9 +160,6 @@ class SuffixTrie:
     def num_docs(self) -> int:
         return len(self.docs)
 
-    def has_doc(self, doc: int) -> bool:
-        return doc in self.docs
-
     def doc_length(self, doc: int) -> int:
         return len(self.docs.get(doc, ()))
 
@@ -225,14 +222,6 @@ class SuffixTrie:
         if node.best is None:
             node.best = max(node.children.values(), key=lambda c: (c.count, self._stamp(c)))
         return node.best
-
-    def own_match(self, doc: int) -> _Node | None:
-        """The longest suffix (at most max_depth - 1 tokens) of a growing document that occurred
-        earlier in the trie with a next token, as its node."""
-        for node in reversed(self._active[doc][1 : self.max_depth]):
-            if node.total > 0:
-                return node
-        return None
 
     def find(self, context: list[int], longest: int) -> tuple[_Node, int] | None:
         """The longest suffix of ``context`` (at most ``longest`` and max_depth - 1 tokens) that

@@ -64,9 +64,6 @@ class RowPlan:
         i = bisect.bisect_right(self.rows, rows) - 1
         return self.default if i < 0 and not self.names else self.names[max(i, 0)]
 
-    def as_dict(self) -> dict[int, str]:
-        return dict(zip(self.rows, self.names))
-
 
 class DenseLinear(nn.Linear):
     """``nn.Linear`` whose product runs the kernel its ``plan`` names for the row count."""

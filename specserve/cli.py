@@ -1,7 +1,8 @@
 """`specserve generate` (and, as they land, serve / bench / distill).
 
-Engine flags map one to one onto ``EngineConfig`` fields, with vLLM's names. User errors print
-one line (``error: ...``) and exit 2; they never show a traceback.
+Engine flags map one to one onto ``EngineConfig`` fields, with vLLM's names, and are generated
+from its declaration (``add_engine_args``). User errors print one line (``error: ...``) and
+exit 2; they never show a traceback.
 """
 
 from __future__ import annotations
@@ -15,87 +16,40 @@ import msgspec
 
 from specserve.core.config import EngineConfig
 from specserve.core.errors import SpecServeError
+from specserve.core.settings import describe
 from specserve.distill.cli import add_distill_parser, cmd_distill
 
-# field -> (help, argparse type). Order is the order --help shows.
-_ENGINE_FLAGS: dict[str, tuple[str, type]] = {
-    "model": ("local HF folder, .gguf file or hub id (default: built-in SmolLM2-135M-Instruct)",
-              str),
-    "tokenizer": ("tokenizer folder/file (default: the model's own)", str),
-    "draft_model": ("draft model for speculative decoding, same tokenizer as the target, or "
-                    "an EAGLE head folder (`specserve distill --method eagle`); 'none' for no "
-                    "draft (default: the shipped distilled draft when the target is the "
-                    "built-in model)", str),
-    "speculative_method": ("draft | eagle | ngram | suffix | auto | off (auto: per step and "
-                           "sequence, the proposer with the best expected goodput; default: "
-                           "eagle if --draft-model is an EAGLE head, draft if a draft is "
-                           "loaded, else off)", str),
-    "num_speculative_tokens": ("k_max: most draft tokens verified per step (0-16)", int),
-    "prompt_lookup_min": ("n-gram proposer: shortest n-gram to match", int),
-    "prompt_lookup_max": ("n-gram proposer: longest n-gram to match (tried first)", int),
-    "suffix_speculative_tokens": ("k_max of suffix decoding (and auto's suffix drafts): a long "
-                                  "match may draft this many tokens (0-16)", int),
-    "suffix_cache_tokens": ("suffix decoding: global cache bound, in output tokens over all "
-                            "tenants; the oldest outputs are evicted first", int),
-    "suffix_cache_scope": ("suffix decoding: request (each request's own text only) | global "
-                           "(also earlier outputs of the same API key)", str),
-    "suffix_max_depth": ("suffix decoding: longest substring the suffix trie counts", int),
-    "suffix_spec_factor": ("suffix decoding: a match of m tokens drafts at most this x m "
-                           "tokens (and at most --suffix-speculative-tokens)", float),
-    "dtype": ("auto | float32 | bfloat16 | float16 (auto: bf16 on GPU/bf16 CPUs, else fp32)", str),
-    "quantization": ("auto | none | int4 | int8: weight-only block quantization of the target's "
-                     "projections (auto: a GGUF's own Q4_0/Q4_1/Q8_0 blocks on CPU, else none)",
-                     str),
-    "device": ("auto | cpu | cuda[:N]", str),
-    "max_model_len": ("context window in tokens (default: model's, at most 8192)", int),
-    "block_size": ("tokens per KV block", int),
-    "max_num_seqs": ("most sequences in one step", int),
-    "max_num_batched_tokens": ("token budget of one step (prompts longer than this are "
-                               "prefilled in chunks)", int),
-    "kv_cache_memory": ("bytes for the KV cache pool (default 2 GiB on CPU, 90%% of free GPU "
-                        "memory)", int),
-    "num_kv_blocks": ("exact number of KV blocks (overrides --kv-cache-memory)", int),
-    "kv_cache_dtype": ("auto | float32 | float16 | bfloat16: the target's KV cache elements "
-                       "(auto: bfloat16 for a quantized model on a CPU with AVX-512 BF16, else "
-                       "the model dtype; float16 and bfloat16 halve the bytes attention reads, "
-                       "C++ CPU attention of a quantized model only)", str),
-    "attention_backend": ("auto | torch | sdpa | triton | flash_attn (auto: best available)", str),
-    "seed": ("seed for requests that give none", int),
-    "num_threads": ("torch CPU threads (default: torch's choice)", int),
-}
+
+# Settings whose names are known only above core/: the CLI lists them from their registries.
+def _dynamic_choices() -> dict[str, list[str]]:
+    from specserve.draft.registry import REGISTRY
+    from specserve.kernels.registry import available_backends
+
+    return {"speculative_method": REGISTRY.methods(), "attention_backend": available_backends()}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineConfig()
+    """One flag per ``EngineConfig`` field, generated from its declaration: the type, the
+    choices (a ``Literal``, or the registry's names), the default and the help all come from
+    the one table (specserve/core/config.py), so they cannot drift from what the engine takes."""
     group = parser.add_argument_group("engine")
-    for name, (help_text, typ) in _ENGINE_FLAGS.items():
-        default = getattr(defaults, name)
-        group.add_argument(
-            "--" + name.replace("_", "-"), type=typ, default=default,
-            help=help_text if "(default" in help_text else f"{help_text} [default: {default}]",
-        )
-    group.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-        default=defaults.enable_prefix_caching, help="reuse KV of shared prompt prefixes",
-    )
-    group.add_argument(
-        "--adaptive-speculation", action=argparse.BooleanOptionalAction,
-        default=defaults.adaptive_speculation,
-        help="choose k <= k_max per sequence and step from measured costs and acceptance",
-    )
-    group.add_argument(
-        "--kernel-tuning", action=argparse.BooleanOptionalAction, default=defaults.kernel_tuning,
-        help="time the kernel candidates of each projection shape at start-up (cached per "
-             "machine in ~/.cache/specserve/tune)",
-    )
+    dynamic = _dynamic_choices()
+    for s in describe(EngineConfig):
+        flag = "--" + s.flag
+        help_text = s.help.replace("%", "%%")
+        if "(default" not in help_text:
+            help_text += f" [default: {s.default}]"
+        if s.kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=s.default,
+                               help=help_text)
+            continue
+        choices = s.choices if s.choices is not None else dynamic.get(s.name)
+        group.add_argument(flag, type=s.kind, default=s.default, choices=choices,
+                           help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    fields = {name: getattr(args, name) for name in _ENGINE_FLAGS}
-    fields["enable_prefix_caching"] = args.enable_prefix_caching
-    fields["adaptive_speculation"] = args.adaptive_speculation
-    fields["kernel_tuning"] = args.kernel_tuning
-    return EngineConfig(**fields)
+    return EngineConfig(**{s.name: getattr(args, s.name) for s in describe(EngineConfig)})
 
 
 def build_parser() -> argparse.ArgumentParser:

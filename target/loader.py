@@ -28,6 +28,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -200,18 +201,34 @@ def _memoized_gguf_name_map() -> Iterator[None]:
         gguf.get_tensor_name_map = original
 
 
-def resolve_dtype(
-    dtype: torch.dtype | str, model_config: ModelConfig, device: torch.device | str
-) -> torch.dtype:
-    """``auto``: the checkpoint's 16-bit dtype on CUDA, float32 elsewhere (CPU matmuls in 16-bit
-    are slow and GGUF weights are dequantized to float32)."""
+@dataclass
+class Weights:
+    """A model's files read into memory, not yet built: the transformers config and the state
+    dict with Hugging Face names (``load_weights``). ``config`` is what the resolver reads
+    (context length, KV shape); ``build_model`` consumes the tensors."""
+
+    path: Path
+    hf_config: Any
+    state_dict: dict[str, torch.Tensor]
+
+    @functools.cached_property
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_hf(self.hf_config)
+
+
+def read_weights(path: str | os.PathLike[str]) -> Weights:
+    hf_config, state_dict = load_weights(path)
+    return Weights(Path(path), hf_config, state_dict)
+
+
+def model_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A dtype or one of ``DTYPES``' names. ``auto`` is the resolver's to decide
+    (specserve/engine/resolve.py), not the loader's."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
-        declared = DTYPES.get(model_config.torch_dtype or "", torch.float32)
-        return declared if torch.device(device).type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)} (the engine's "
+                             f"resolver decides auto)")
     return DTYPES[dtype]
 
 
@@ -222,16 +239,19 @@ HEAD_IDS_KEY = "specserve.head_token_ids"
 
 
 def build_model(
-    path: str | os.PathLike[str],
+    source: str | os.PathLike[str] | Weights,
     dtype: torch.dtype | str,
     device: torch.device | str,
     shared_embeddings: torch.Tensor | None = None,
 ) -> tuple[ModelConfig, CausalLM]:
-    """Loads ``path`` into our ``CausalLM`` in ``dtype`` on ``device`` (eval mode, no grads).
-    ``ModelConfig.eos_token_ids`` also holds the folder's generation_config.json EOS ids.
-    ``shared_embeddings``: the target's embedding table, for drafts that share it."""
-    hf_config, state_dict = load_weights(path)
-    model_config = ModelConfig.from_hf(hf_config)
+    """Loads a path (or weights already read, which this consumes) into our ``CausalLM`` in
+    ``dtype`` on ``device`` (eval mode, no grads). ``ModelConfig.eos_token_ids`` also holds the
+    folder's generation_config.json EOS ids. ``shared_embeddings``: the target's embedding
+    table, for drafts that share it."""
+    weights = source if isinstance(source, Weights) else read_weights(source)
+    path, hf_config, state_dict = weights.path, weights.hf_config, weights.state_dict
+    weights.state_dict = {}  # consumed: the model owns the tensors from here on
+    model_config = weights.config
     head_ids = state_dict.pop(HEAD_IDS_KEY, None)
     if head_ids is not None and (
         head_ids.dim() != 1 or int(head_ids.min()) < 0
@@ -257,8 +277,8 @@ def build_model(
     if extra_eos:
         merged = tuple(dict.fromkeys(model_config.eos_token_ids + extra_eos))
         model_config = dataclasses.replace(model_config, eos_token_ids=merged)
-    torch_dtype = resolve_dtype(dtype, model_config, device)
-    model = CausalLM(model_config, dtype=torch_dtype, device="meta", head_token_ids=head_ids)
+    model = CausalLM(model_config, dtype=model_dtype(dtype), device="meta",
+                     head_token_ids=head_ids)
     model.load_hf_state_dict(state_dict)
     del state_dict
     model.to(device).eval()

@@ -12,6 +12,7 @@ import torch
 from specserve.kernels.metadata import AttentionMetadata
 from specserve.kernels.registry import AttentionBackend, get_attention_backend
 from specserve.target.config import ModelConfig
+from specserve.target.layout import BatchLayout
 from specserve.target.model import CausalLM, FeatureCapture, KVCache
 
 
@@ -66,6 +67,13 @@ class ModelRunner:
         mc = model_config
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element
+
+    def run(self, layout: BatchLayout, capture: FeatureCapture | None = None) -> torch.Tensor:
+        """One step over a layout: logits [N, vocab] float32 for ``layout.logits_indices``
+        (none: the lm_head is skipped). Goes through ``forward``."""
+        logits, _ = self.forward(layout.input_ids, layout.positions, layout.meta,
+                                 layout.logits_indices, capture=capture)
+        return logits
 
     def forward(
         self,

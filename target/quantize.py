@@ -19,11 +19,13 @@ lm_head gets its own block copy of the table, as llama.cpp computes it.
 from __future__ import annotations
 
 import logging
+import typing
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from specserve.core.config import Quantization
 from specserve.core.errors import ConfigError
 from specserve.kernels import quant_ext
 from specserve.kernels.quant import (
@@ -37,7 +39,7 @@ from specserve.target.model import CausalLM, set_fused_ops
 
 log = logging.getLogger(__name__)
 
-QUANTIZATION_CHOICES = ("auto", "none", "int4", "int8")
+QUANTIZATION_CHOICES: tuple[str, ...] = typing.get_args(Quantization)  # --quantization's values
 _FORMAT_OF = {"int4": "q4_1", "int8": "q8_0"}
 # GGUF projection names (llama family) -> (our fused module, its part, part order)
 _GGUF_PARTS = {
@@ -52,7 +54,8 @@ _GGUF_PARTS = {
 
 
 def resolve_quantization(choice: str, model_path: str, device: torch.device) -> str:
-    """``auto`` -> ``gguf`` (a GGUF's own formats) or ``none``; others as given."""
+    """``auto`` -> ``gguf`` (a GGUF's own formats) on CPU, else ``none``; others as given
+    (the resolver's rule for ``--quantization``, specserve/engine/resolve.py)."""
     if choice not in QUANTIZATION_CHOICES:
         raise ConfigError(
             f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} (got {choice!r})"

@@ -5,7 +5,8 @@ The stateful test keeps a shadow KV cache: slot -> the whole token prefix whose 
 every live sequence must find exactly its own prefix in its slot; a wrong prefix hit, a block
 reused while still referenced, or a write into a shared block shows up there. A second shadow
 does the same for the draft model's KV (written only by sequences that run the draft), against
-``seq.draft_num_computed``: a hit that trusts a block's draft KV must find it written.
+the block manager's draft-KV record (``draft_kv_tokens``): a hit that trusts a block's draft KV
+must find it written.
 """
 
 from __future__ import annotations
@@ -318,6 +319,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.prompts: list[list[int]] = [[]]
         self.shadow: dict[int, tuple[int, ...]] = {}  # slot -> token prefix its KV was built from
         self.draft_shadow: dict[int, tuple[int, ...]] = {}  # the same for the draft model's KV
+        self.needs_draft_kv: set[int] = set()  # sequences under require_draft_kv_hits
         self.next_id = 0
 
     # -- helpers
@@ -338,10 +340,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert hit % self.bs == 0 and seq.num_computed_tokens == seq.num_cached_tokens == hit
             assert seq.num_tokens - hit >= 1
             self._check_kv(seq)  # the hit blocks hold exactly this sequence's prefix
-            assert seq.draft_num_computed <= hit and seq.draft_num_computed % self.bs == 0
-            if seq.draft_kv_from_target:  # hits only blocks whose draft KV is written
-                assert seq.draft_num_computed == hit
-            if seq.draft_num_computed:
+            draft = self.bm.draft_kv_tokens(seq.seq_id)
+            assert draft <= hit and draft % self.bs == 0
+            if seq.seq_id in self.needs_draft_kv:  # hits only blocks whose draft KV is written
+                assert draft == hit
+            if draft:
                 event("draft KV reused")
             event("prefix hit" if hit else "prefix miss")
 
@@ -365,7 +368,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.shadow.get(self._slot(seq, pos)) == tuple(seq.token_ids[: pos + 1]), (
                 f"seq {seq.seq_id} pos {pos}: wrong KV"
             )
-        for pos in range(seq.draft_num_computed):
+        for pos in range(self.bm.draft_kv_tokens(seq.seq_id)):
             assert self.draft_shadow.get(self._slot(seq, pos)) == tuple(
                 seq.token_ids[: pos + 1]), f"seq {seq.seq_id} pos {pos}: wrong draft KV"
 
@@ -383,7 +386,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.prompts.append(prompt)
         self.next_id += 1
         seq = make_seq(prompt, seq_id=self.next_id)
-        seq.draft_kv_from_target = from_target  # an EAGLE head's sequence
+        if from_target:  # an EAGLE head's sequence
+            self.bm.require_draft_kv_hits(seq.seq_id)
+            self.needs_draft_kv.add(seq.seq_id)
         self.live[seq.seq_id] = seq
         return seq
 
@@ -397,9 +402,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """The draft model computes KV for up to n tokens it lacks (beside a prefill chunk)."""
         if seq.seq_id not in self.live or not seq.block_table:
             return
-        end = min(seq.num_computed_tokens, seq.draft_num_computed + n)
-        self._run(seq, seq.token_ids[:end], seq.draft_num_computed, self.draft_shadow)
-        seq.draft_num_computed = max(seq.draft_num_computed, end)
+        draft = self.bm.draft_kv_tokens(seq.seq_id)
+        end = min(seq.num_computed_tokens, draft + n)
+        self._run(seq, seq.token_ids[:end], draft, self.draft_shadow)
+        self.bm.set_draft_kv_tokens(seq.seq_id, max(draft, end))
         self.bm.commit_computed(seq)
 
     @rule(seq=seqs, k=st.integers(0, 4), accepted=st.integers(0, 4), drafts=st.data(),
@@ -416,14 +422,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         draft = drafts.draw(st.lists(st.integers(0, 2), min_size=k, max_size=k))
         start = seq.num_computed_tokens
         if model_draft and k:  # the draft model fed what it lacked, then d_1 .. d_{k-1}
-            self._run(seq, seq.token_ids + draft[:-1], seq.draft_num_computed, self.draft_shadow)
+            self._run(seq, seq.token_ids + draft[:-1], self.bm.draft_kv_tokens(seq.seq_id),
+                      self.draft_shadow)
         self._run(seq, seq.token_ids + draft, start)  # verify pass over last token + k drafts
         a = min(accepted, k)
         for t in draft[:a] + [drafts.draw(st.integers(0, 2))]:  # accepted drafts + bonus token
             seq.append_token(t)
         seq.num_computed_tokens = start + 1 + a
         if model_draft and k:  # what the engine keeps of the draft's KV (speculator)
-            seq.draft_num_computed = min(start + k, seq.num_tokens - 1)
+            self.bm.set_draft_kv_tokens(seq.seq_id, min(start + k, seq.num_tokens - 1))
         self.bm.truncate(seq, seq.num_tokens)
         self.bm.commit_computed(seq)
 
@@ -445,12 +452,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         del seq.token_ids[new_len:]
         # The last kept token is fed again next step, as after a normal decode.
         seq.num_computed_tokens = min(seq.num_computed_tokens, new_len - 1)
-        seq.draft_num_computed = min(seq.draft_num_computed, new_len - 1)
+        self.bm.set_draft_kv_tokens(seq.seq_id,
+                                    min(self.bm.draft_kv_tokens(seq.seq_id), new_len - 1))
         assert len(seq.block_table) <= -(-new_len // self.bs)
 
     @rule(seq=consumes(seqs))
     def finish(self, seq: Sequence) -> None:
         self.bm.free(seq)
+        self.bm.forget_draft_kv(seq.seq_id)
+        assert self.bm.draft_kv_tokens(seq.seq_id) == 0
         self.live.pop(seq.seq_id, None)
         self.prompts.append(list(seq.token_ids))
 

@@ -107,7 +107,8 @@ def test_eagle_greedy_identical_to_transformers(target, engine_kw):
     path, head, hf = target
     engine = make(path, head, **engine_kw)
     # detected from the folder (auto may pick the head too)
-    assert engine.config.speculative_method == engine_kw.get("speculative_method", "eagle")
+    assert engine.config.default_speculative_method == engine_kw.get("speculative_method",
+                                                                     "eagle")
     base = prompts([3, 11, 29, 50], seed=2)
     batch = base + [base[3][:40] + base[0]]  # shares full blocks with prompt 3
     outs = engine.generate(batch, GREEDY)

@@ -31,13 +31,8 @@ LAYERS = [
     ["specserve.scale", "specserve.distill"],  # Ray Serve replicas; making drafts
     ["specserve.cli", "specserve.__main__"],
 ]
-# Upward imports still to be removed (the method names move to the resolver, the scheduled batch
-# to the shared types). Nothing may be added here.
-KNOWN_UPWARD = {
-    "specserve.core.config imports specserve.draft.registry",
-    "specserve.core.sampling_params imports specserve.draft.registry",
-    "specserve.spec.speculator imports specserve.engine.scheduler",
-}
+# Upward imports allowed: none.
+KNOWN_UPWARD: set[str] = set()
 
 
 def imported_modules(path: Path) -> set[str]:

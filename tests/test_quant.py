@@ -389,13 +389,13 @@ def test_quantized_hf_folder_speculation_equals_plain(text_model):
 def test_quantization_flag_errors():
     from specserve.core.config import EngineConfig
     from specserve.core.errors import ConfigError
+    from specserve.engine.resolve import resolve_dtype
 
     with pytest.raises(ConfigError, match="quantization must be"):
         EngineConfig(quantization="int3")
     with pytest.raises(ConfigError, match="compute in float32"):
-        EngineConfig(quantization="int4", dtype="bfloat16").resolve_dtype(
-            torch.device("cpu"), quantized=True
-        )
+        resolve_dtype("bfloat16", torch.device("cpu"), quantized=True)
+    assert resolve_dtype("auto", torch.device("cpu"), quantized=True) == torch.float32
 
 
 def test_gguf_tensor_shape_errors_name_the_fix():

@@ -125,7 +125,7 @@ def test_lookahead_drops_to_zero_before_anyone_is_preempted():
     for s in seqs:
         s.num_computed_tokens = s.num_tokens
         s.append_token(1)  # the sampled token; its KV goes in slot 8
-        s.spec_k = 4  # 4 drafts would need a third block each
+        s.num_lookahead_slots = 4  # 4 drafts would need a third block each
     batch = sched.schedule()
     assert not batch.preempted and len(batch.scheduled) == 2
     assert [s.num_lookahead for s in batch.scheduled] == [0, 0]
@@ -143,7 +143,7 @@ def test_lookahead_of_others_is_returned_before_preempting():
     for s in seqs:
         s.num_computed_tokens = s.num_tokens
         s.append_token(1)
-        s.spec_k = 4
+        s.num_lookahead_slots = 4
     batch = sched.schedule()
     assert not batch.preempted and len(batch.scheduled) == 2
     assert [s.num_lookahead for s in batch.scheduled] == [0, 0]

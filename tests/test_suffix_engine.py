@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.core.config import EngineConfig
 from specserve.core.errors import ConfigError, InvalidRequestError
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from specserve.draft.base import ProposalRequest
@@ -104,16 +103,17 @@ def test_registry_names_and_unknown_method_errors(models):
     with pytest.raises(UnknownProposerError,
                        match="known: draft, eagle, ngram, suffix, auto, off"):
         REGISTRY.get("medusa")
-    with pytest.raises(InvalidRequestError) as err:
-        SpeculativeParams(method="medusa")
-    assert err.value.param == "speculative.method" and "suffix" in str(err.value)
-    with pytest.raises(ConfigError, match="suffix, auto, off"):
-        EngineConfig(speculative_method="medusa")
     target, _, _ = models
+    with pytest.raises(ConfigError, match="suffix, auto, off"):  # the server's flag
+        make(target, speculative_method="medusa")
     engine = make(target, speculative_method="suffix")  # no draft model loaded
     assert set(engine.speculator.proposers) == {"ngram", "suffix"}
+    with pytest.raises(InvalidRequestError) as err:  # a request's field
+        engine.add_request("x", [1, 2, 3], GREEDY, SpeculativeParams(method="medusa"))
+    assert err.value.param == "speculative.method" and "suffix" in str(err.value)
     with pytest.raises(InvalidRequestError, match="--draft-model"):
         engine.add_request("x", [1, 2, 3], GREEDY, SpeculativeParams(method="draft"))
+    assert not engine.has_unfinished() and not engine.speculator.states  # nothing half-added
 
 
 def test_long_match_drafts_more_than_num_speculative_tokens(models):

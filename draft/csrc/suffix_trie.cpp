@@ -69,7 +69,6 @@ class SuffixTrie {
   int64_t num_tokens() const { return num_tokens_; }
   int64_t num_nodes() const { return num_nodes_; }
   int64_t num_docs() const { return static_cast<int64_t>(docs_.size()); }
-  bool has_doc(int64_t doc) const { return docs_.count(doc) > 0; }
 
   int64_t doc_length(int64_t doc) const {
     auto it = docs_.find(doc);
@@ -415,7 +414,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_tokens", &SuffixTrie::num_tokens)
       .def_property_readonly("num_nodes", &SuffixTrie::num_nodes)
       .def_property_readonly("num_docs", &SuffixTrie::num_docs)
-      .def("has_doc", &SuffixTrie::has_doc)
       .def("doc_length", &SuffixTrie::doc_length)
       .def("extend", &SuffixTrie::extend)
       .def("close", &SuffixTrie::close)

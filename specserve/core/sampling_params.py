@@ -78,22 +78,14 @@ class SpeculativeParams:
     ``method`` None keeps the server's method, ``num_tokens`` None keeps its k_max; method "off"
     or num_tokens 0 decodes plainly through the same engine. ``tenant`` is set by the server
     (from the API key), never by the client: suffix decoding drafts only from that tenant's
-    earlier outputs."""
+    earlier outputs. The method's name is checked where the proposers are known: the engine
+    refuses one it cannot run (``InvalidRequestError`` naming ``speculative.method``)."""
 
     method: str | None = None
     num_tokens: int | None = None
     tenant: str = ""
 
     def __post_init__(self) -> None:
-        from specserve.draft.registry import REGISTRY
-
-        methods = REGISTRY.methods()
-        if self.method is not None and self.method not in methods:
-            raise InvalidRequestError(
-                f"speculative.method must be one of {', '.join(methods)} "
-                f"(got {self.method!r})",
-                param="speculative.method",
-            )
         if self.num_tokens is not None and not 0 <= self.num_tokens <= 16:
             raise InvalidRequestError(
                 f"speculative.num_tokens must be in [0, 16] (got {self.num_tokens!r})",

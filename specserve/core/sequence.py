@@ -4,7 +4,11 @@ The scheduler and block manager reason only with integers on this object:
 ``num_tokens`` (prompt + output so far), ``num_computed_tokens`` (tokens whose K/V are in the
 cache and valid) and ``num_cached_tokens`` (of those, how many came from a prefix-cache hit).
 ``num_tokens - num_computed_tokens`` is what the next step still has to feed the model: the whole
-prompt (or the rest of it) while prefilling, exactly 1 while decoding.
+prompt (or the rest of it) while prefilling, exactly 1 while decoding. ``num_lookahead_slots`` is
+the one speculative fact they need: how many draft tokens the speculator would verify after that
+token next step, i.e. how many extra KV slots to reserve (the scheduler may grant fewer). Every
+other speculation fact lives in the speculator (``specserve/spec/state.py``), and what the block
+manager knows of the draft's KV in the block manager (``specserve/core/draft_kv.py``).
 """
 
 from __future__ import annotations
@@ -30,16 +34,13 @@ class FinishReason(str, enum.Enum):
 
 @dataclass
 class SequenceTimings:
-    """Wall-clock marks (time.perf_counter seconds) and accumulated per-phase costs (s)."""
+    """Wall-clock marks (time.perf_counter seconds); the per-phase costs a request reports are
+    accumulated in its ``RequestTimings`` (specserve/engine/outputs.py)."""
 
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    sample_s: float = 0.0
-    detokenize_s: float = 0.0
     num_preemptions: int = 0
 
 
@@ -58,19 +59,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    # Speculation: method for this request (a specserve.draft.registry name, "auto" or "off"), its
-    # most draft tokens per step, the method and k chosen for the next step (auto picks per step),
-    # how many tokens the draft model has KV for, and the tenant whose cached outputs may feed
-    # its drafts (the API key's; "" on a single-tenant server).
-    spec_method: str = "off"
-    spec_k_max: int = 0
-    spec_step_method: str = "off"
-    spec_k: int = 0
-    draft_num_computed: int = 0
-    # The draft's KV can be rebuilt only from the target's forward (an EAGLE head reads its
-    # hidden states): prefix hits stop at the first block whose draft KV is not written.
-    draft_kv_from_target: bool = False
-    spec_tenant: str = ""
+    # draft tokens to verify after the next fed token (set by the speculator before each
+    # schedule; 0 while prefilling or not speculating)
+    num_lookahead_slots: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     timings: SequenceTimings = field(default_factory=SequenceTimings)
@@ -92,14 +83,6 @@ class Sequence:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
-
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
@@ -116,7 +99,6 @@ class Sequence:
         self.block_table = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        self.draft_num_computed = 0
-        self.spec_k = 0
+        self.num_lookahead_slots = 0
         self.status = SequenceStatus.WAITING
         self.timings.num_preemptions += 1

@@ -104,10 +104,6 @@ class RequestStream:
         """Output tokens delivered by the engine and not yet read."""
         return self._pending.num_tokens
 
-    @property
-    def buffered_chars(self) -> int:
-        return self._pending.num_chars
-
     def _put(self, item: Any) -> None:
         """Event loop only: an output (merged into what is pending), the acknowledgement of the
         add, or an exception (the add failed, or the engine failed afterwards)."""

@@ -3,10 +3,12 @@
 Both models' caches are indexed by the same block ids, so one ``seq.block_table`` serves both and
 one prefix-cache hit reuses both, with one caveat: a block filled by a request that did not run
 the draft (speculation off, n-gram) holds target KV only. Each block therefore records whether
-its draft KV is written too (``Block.draft_kv``, set once the sequence's
-``draft_num_computed`` covers it, cleared when the block is handed out again); a hit restores
-``seq.draft_num_computed`` to the leading run of such blocks, so the draft recomputes only the
-rest. Token ``p`` of a sequence lives in slot
+its draft KV is written too (``Block.draft_kv``, set once the sequence's draft KV tokens cover
+it, cleared when the block is handed out again); a hit restores the sequence's draft KV tokens
+to the leading run of such blocks, so the draft recomputes only the rest. The per-sequence
+draft-KV record (how many leading tokens of draft KV are valid; whether hits must stop at the
+first block without it) is kept here and reached through ``DraftKVLedger``
+(specserve/core/draft_kv.py). Token ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
 
 Lifecycle of a sequence, as the scheduler and engine drive it::
@@ -81,9 +83,9 @@ _Committed = tuple[int, int | None]
 class BlockManager:
     """Ref-counted block pool with an LRU free queue and a chained-hash prefix cache.
 
-    Only ``seq.token_ids``, ``seq.block_table``, ``seq.num_computed_tokens``,
-    ``seq.num_cached_tokens`` and ``seq.draft_num_computed`` are used; ``seq.seq_id`` must be
-    unique among live sequences.
+    Only ``seq.token_ids``, ``seq.block_table``, ``seq.num_computed_tokens`` and
+    ``seq.num_cached_tokens`` are used; ``seq.seq_id`` must be unique among live sequences.
+    Implements ``DraftKVLedger``: the speculator reports the draft's KV progress per sequence.
     """
 
     def __init__(
@@ -109,6 +111,10 @@ class BlockManager:
         self._seq_committed: dict[int, list[_Committed]] = {}
         # seq_id -> leading blocks of its table already marked ``draft_kv`` (O(new blocks) a step)
         self._seq_draft_marked: dict[int, int] = {}
+        # seq_id -> leading tokens whose draft KV is written; absent = 0
+        self._draft_tokens: dict[int, int] = {}
+        # sequences whose hits need written draft KV (require_draft_kv_hits), until forgotten
+        self._draft_hits_only: set[int] = set()
         self._next_cache_id = 0
         # Prometheus-style counters, in tokens.
         self.prefix_queries = 0
@@ -156,8 +162,8 @@ class BlockManager:
     def _find_prefix_hits(self, seq: Sequence) -> list[tuple[int, _Committed]]:
         """Longest run of leading full blocks found in the cache, as (block_id, (hash, cache_id)).
         At most ``(num_tokens - 1) // block_size`` blocks, so at least one token is left to run.
-        For a sequence with ``draft_kv_from_target`` (an EAGLE head, which rebuilds its KV only
-        from the target's hidden states) only blocks whose draft KV is written count: the
+        For a sequence under ``require_draft_kv_hits`` (an EAGLE head, which rebuilds its KV
+        only from the target's hidden states) only blocks whose draft KV is written count: the
         target recomputes the rest and so hands the head their features."""
         if not self.enable_prefix_caching:
             return []
@@ -165,6 +171,7 @@ class BlockManager:
         hits: list[tuple[int, _Committed]] = []
         parent_hash: int | None = None
         parent_cid: int | None = None
+        draft_kv_only = seq.seq_id in self._draft_hits_only
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = hash_block_tokens(parent_hash, tokens)
@@ -175,7 +182,7 @@ class BlockManager:
             # The hash is only an index: demand the same tokens chained to the same parent entry.
             if block.token_ids != tokens or block.parent_cache_id != parent_cid:
                 break
-            if seq.draft_kv_from_target and not block.draft_kv:
+            if draft_kv_only and not block.draft_kv:
                 break
             hits.append((block_id, (h, block.cache_id)))
             parent_hash, parent_cid = h, block.cache_id
@@ -214,13 +221,33 @@ class BlockManager:
         num_draft = 0
         while num_draft < len(hits) and self.blocks[hits[num_draft][0]].draft_kv:
             num_draft += 1
-        seq.draft_num_computed = num_draft * self.block_size
+        self._set_draft_tokens(seq.seq_id, num_draft * self.block_size)
         self._seq_draft_marked[seq.seq_id] = num_draft
         if self.enable_prefix_caching:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_hit
-            self.draft_prefix_hits += seq.draft_num_computed
+            self.draft_prefix_hits += num_draft * self.block_size
         return num_hit
+
+    # ------------------------------------------------------------------ draft KV (DraftKVLedger)
+    def draft_kv_tokens(self, seq_id: int) -> int:
+        return self._draft_tokens.get(seq_id, 0)
+
+    def set_draft_kv_tokens(self, seq_id: int, num_tokens: int) -> None:
+        self._set_draft_tokens(seq_id, num_tokens)
+
+    def require_draft_kv_hits(self, seq_id: int) -> None:
+        self._draft_hits_only.add(seq_id)
+
+    def forget_draft_kv(self, seq_id: int) -> None:
+        self._draft_hits_only.discard(seq_id)
+        self._draft_tokens.pop(seq_id, None)
+
+    def _set_draft_tokens(self, seq_id: int, num_tokens: int) -> None:
+        if num_tokens:
+            self._draft_tokens[seq_id] = num_tokens
+        else:
+            self._draft_tokens.pop(seq_id, None)
 
     def commit_computed(self, seq: Sequence) -> None:
         """Register every full block whose tokens are all computed and not committed yet.
@@ -235,10 +262,10 @@ class BlockManager:
             return
         bs = self.block_size
         self._commit_full_blocks(seq, committed)
-        # Full blocks the draft's KV now covers (it only ever writes past draft_num_computed,
+        # Full blocks the draft's KV now covers (it only ever writes past its draft KV tokens,
         # so a marked block stays valid until the block is handed out again).
         marked = self._seq_draft_marked.get(seq.seq_id, 0)
-        draft_full = min(seq.draft_num_computed // bs, len(seq.block_table))
+        draft_full = min(self.draft_kv_tokens(seq.seq_id) // bs, len(seq.block_table))
         for i in range(marked, draft_full):
             self.blocks[seq.block_table[i]].draft_kv = True
             if i < len(committed):
@@ -249,7 +276,7 @@ class BlockManager:
         """A sequence's uncached copy of a cached block now holds draft KV too, and the cached
         block does not (a plain request filled it): the copy takes over the cache entry (its
         hash and cache_id, so cached children still chain to it). Otherwise a sequence that
-        needs the draft KV (``draft_kv_from_target``) could never hit these tokens while the
+        needs the draft KV (``require_draft_kv_hits``) could never hit these tokens while the
         target-only copy stays cached. Only when no other sequence holds the cached block."""
         h, cid = entry
         block = self.blocks[block_id]
@@ -334,15 +361,16 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop every reference the sequence holds and clear its table. Safe to call twice.
 
-        Its KV is gone, so ``num_computed_tokens``, ``num_cached_tokens`` and
-        ``draft_num_computed`` drop to 0 too (read
-        ``num_cached_tokens`` first if a usage report needs it). Call it before
+        Its KV is gone, so ``num_computed_tokens``, ``num_cached_tokens`` and its draft KV
+        tokens drop to 0 too (read ``num_cached_tokens`` first if a usage report needs it);
+        whether its hits need draft KV is kept until ``forget_draft_kv``. Call it before
         ``Sequence.reset_for_recompute``, which clears the table without freeing it.
         """
         for block_id in reversed(seq.block_table):  # tail blocks enter the LRU queue first
             self._release(block_id)
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_cached_tokens = seq.draft_num_computed = 0
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        self._draft_tokens.pop(seq.seq_id, None)
         self._seq_committed.pop(seq.seq_id, None)
         self._seq_draft_marked.pop(seq.seq_id, None)
 

@@ -1,8 +1,12 @@
-"""LLMEngine: schedule -> run the model on one flattened batch -> sample -> post-process.
+"""LLMEngine: schedule -> propose -> build layout -> forward -> verify -> commit.
 
 The engine owns the request table; the scheduler owns the queues; the block manager owns the KV
-blocks; the model runner owns the weights and the KV tensors. ``step()`` is the whole loop body
-and is synchronous; the server drives it from a dedicated thread.
+blocks; the model runner owns the weights and the KV tensors; the speculator owns everything
+speculative (through plan / propose / verify / commit, it names no proposer). ``step()`` is the
+whole loop body and is synchronous; the server drives it from a dedicated thread.
+
+The engine is built from one ``ResolvedConfig`` (``self.config``), which the resolver derives
+from the ``EngineConfig`` asked for without writing into it.
 """
 
 from __future__ import annotations
@@ -11,224 +15,88 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
+from specserve.core.batch import ScheduledBatch
 from specserve.core.config import EngineConfig
-from specserve.core.errors import ConfigError, InvalidRequestError
-from specserve.core.paths import cache_root
+from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling import SampleRequest
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from specserve.core.sequence import Sequence
-from specserve.draft.eagle_head import EagleHead, EagleRunner, is_eagle_dir, load_head
-from specserve.engine.block_manager import BlockManager
+from specserve.draft.registry import REGISTRY, ProposerRegistry
+from specserve.engine.assembly import build_parts
 from specserve.engine.output_processor import RequestState
 from specserve.engine.outputs import OutputMerger, RequestOutput
-from specserve.engine.scheduler import ScheduledBatch, Scheduler
+from specserve.engine.resolve import ModelFiles, resolve_config
 from specserve.engine.tokenizer import IncrementalDetokenizer, apply_chat_template
 from specserve.engine.tracing import NullTracer, Tracer
-from specserve.kernels import quant_ext
-from specserve.kernels.attention_form import choose_form, has_bf16_products
-from specserve.kernels.cpu_paged import CpuPagedAttention
-from specserve.kernels.metadata import AttentionMetadata, token_positions
-from specserve.kernels.registry import get_attention_backend
-from specserve.kernels.tuner import KernelTuner, TuneTable, default_row_counts
-from specserve.spec.speculator import Speculator
-from specserve.target.loader import build_model, check_draft_compatible
-from specserve.target.model_runner import ModelRunner
-from specserve.target.quantize import quantize_model, resolve_quantization
+from specserve.spec.speculator import Drafts, Verified
+from specserve.target.layout import Chunk, build_layout
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_CPU_KV_BYTES = 2 << 30
-_MAX_DEFAULT_CONTEXT = 8192
+
+@dataclass(frozen=True, slots=True)
+class _StepClock:
+    """perf_counter marks of one step: its start, drafts done, forward done, sampling done."""
+
+    start: float
+    drafted: float
+    model: float
+    sampled: float
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        from specserve.engine.models import load_tokenizer, resolve_draft, resolve_model_path
-
-        # Written back so every reader of the config sees the draft actually loaded.
-        config.draft_model = resolve_draft(config.model, config.draft_model)
-        if config.speculative_method == "draft" and config.draft_model is None:
-            raise ConfigError("speculative-method draft needs --draft-model PATH")
-        self.config = config
+    def __init__(self, config: EngineConfig, registry: ProposerRegistry = REGISTRY) -> None:
+        """``registry``: the proposers it may build (a new method is one more entry)."""
+        files = ModelFiles.open(config)
+        self.config = resolve_config(config, files, registry)
         self.tracer: Tracer | NullTracer = NullTracer()  # a Tracer records phase spans
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = config.resolve_device()
-        model_path = resolve_model_path(config.model)
-        self.model_path = model_path
-        self.quantization = resolve_quantization(config.quantization, model_path, self.device)
-        self.dtype = config.resolve_dtype(self.device, quantized=self.quantization != "none")
-        self.model_config, model = build_model(model_path, self.dtype, self.device)
-        quantize_model(model, self.quantization, model_path)
-        self.tokenizer = load_tokenizer(config.tokenizer or model_path)
-        self.draft_config, draft_model = None, None
-        self.eagle_head = None
-        if is_eagle_dir(config.draft_model):
-            self.eagle_head = self._load_eagle_head(model)
-        elif config.speculative_method == "eagle":
-            raise ConfigError("speculative-method eagle needs --draft-model DIR, a head folder "
-                              "written by `specserve distill --method eagle`")
-        elif config.draft_model is not None:
-            draft_path = resolve_model_path(config.draft_model)
-            self.draft_config, draft_model = build_model(
-                draft_path, self.dtype, self.device, shared_embeddings=model.embed_tokens.weight
-            )
-            # A quantized target's draft runs Q8_0 blocks and the same fused kernels: a float32
-            # draft step would cost a third of a quantized target step and eat the gain.
-            quantize_model(draft_model, "int8" if self.quantization != "none" else "none",
-                           draft_path)
-            check_draft_compatible(
-                self.model_config, self.draft_config, self.tokenizer, load_tokenizer(draft_path)
-            )
-        backend = config.attention_backend
-        if backend == "auto" and self.quantization != "none" and quant_ext.available():
-            backend = "cpu_paged"  # batch-invariant, like the quantized projections
-        self.kv_dtype = config.resolve_kv_dtype(
-            self.dtype, backend, self.device,
-            backend == "cpu_paged" and has_bf16_products(self.model_config.head_dim))
-        self._resolve_limits()
-        self.attn_backend = get_attention_backend(
-            backend, self.device, block_size=config.block_size
-        )
-        if self.attn_backend.name == "cpu_paged":  # the C++ attention: its faster form, measured
-            mc = self.model_config
-            self.attn_backend.form = choose_form(
-                mc.num_heads, mc.num_kv_heads, mc.head_dim, cache_root() / "tune",
-                measure=config.kernel_tuning, cache_dtype=self.kv_dtype,
-            )
-        self.runner = ModelRunner(
-            self.model_config,
-            model,
-            num_blocks=config.num_kv_blocks,
-            block_size=config.block_size,
-            dtype=self.dtype,
-            device=self.device,
-            attn_backend=self.attn_backend,
-            kv_dtype=self.kv_dtype,
-        )
-        self.block_manager = BlockManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.eos_token_ids = self._eos_ids()
-        self.generator = torch.Generator().manual_seed(config.seed)
-        # Draft models and EAGLE heads keep float32 caches (their numbers only move acceptance):
-        # they run the target's form widened to them.
-        draft_backend = self.attn_backend
-        if isinstance(self.attn_backend, CpuPagedAttention):
-            draft_backend = self.attn_backend.for_float32_caches()
-        draft_runner = None
-        if draft_model is not None and self.draft_config is not None:
-            # Same block ids, separate KV tensors: one block table serves both models.
-            draft_runner = ModelRunner(
-                self.draft_config, draft_model, num_blocks=config.num_kv_blocks,
-                block_size=config.block_size, dtype=self.dtype, device=self.device,
-                attn_backend=draft_backend,
-            )
+        parts = build_parts(self.config, files, registry)
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.runner = parts.runner
+        self.block_manager = parts.block_manager
+        self.scheduler = parts.scheduler
+        self.speculator = parts.speculator
+        self.eos_token_ids = parts.eos_token_ids
+        self.kernel_table = parts.kernel_table
+        if parts.draft is not None and parts.draft.traced is not None:
             # One span per draft forward (each draft step) without touching the proposer.
-            draft_model.register_forward_pre_hook(lambda *_: self.tracer.begin("draft_forward"))
-            draft_model.register_forward_hook(lambda *_: self.tracer.end())
-        eagle_runner = None
-        if self.eagle_head is not None:
-            eagle_runner = EagleRunner(
-                self.eagle_head, num_blocks=config.num_kv_blocks, block_size=config.block_size,
-                dtype=self.dtype, device=self.device, backend=draft_backend,
-            )
-        self.kernel_table = self._tune_kernels(model, draft_model)
-        self.speculator = Speculator(
-            config, draft_runner, self.generator,
-            None if self.kernel_table is None else self.kernel_table.projection_seconds,
-            eagle_runner=eagle_runner,
-        )
+            parts.draft.traced.register_forward_pre_hook(
+                lambda *_: self.tracer.begin("draft_forward"))
+            parts.draft.traced.register_forward_hook(lambda *_: self.tracer.end())
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
-        log.info(
-            "engine ready: model=%s quantization=%s dtype=%s device=%s kv_blocks=%d "
-            "block_size=%d max_model_len=%d backend=%s kv_cache_dtype=%s attention_form=%s",
-            model_path, self.quantization, self.dtype, self.device, config.num_kv_blocks,
-            config.block_size, config.max_model_len, self.attn_backend.name, self.kv_dtype,
-            getattr(self.attn_backend, "form", "-"),
-        )
+        log.info("engine ready: %s attention_form=%s", self.config.summary(),
+                 getattr(self.attn_backend, "form", "-"))
 
-    # ---- set-up -------------------------------------------------------------------------
+    # What the resolver decided, under the names the engine has always answered to.
+    @property
+    def device(self) -> torch.device:
+        return self.config.device
 
-    def _load_eagle_head(self, model: torch.nn.Module) -> EagleHead:
-        """An EAGLE head folder given as --draft-model: the method defaults to eagle (written
-        back into the config) and only eagle (or auto) can use it."""
-        cfg = self.config
-        if cfg.speculative_method is None:
-            cfg.speculative_method = "eagle"
-        elif cfg.speculative_method == "draft":
-            raise ConfigError(f"{cfg.draft_model} is an EAGLE head, not a draft model: use "
-                              f"--speculative-method eagle (or leave it unset)")
-        head = load_head(cfg.draft_model, self.model_config, model.embed_tokens.weight,
-                         self.dtype, self.device)
-        if self.quantization != "none":
-            # As the draft model: Q8_0 blocks and the fused kernels, so a drafting step costs
-            # a small fraction of a quantized target step, not a third of it.
-            head.quantize("q8_0")
-        return head
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.config.dtype
 
-    def _tune_kernels(self, model: torch.nn.Module, draft: torch.nn.Module | None
-                      ) -> TuneTable | None:
-        """Measures (or reads the cached) kernel plan for the target's projections at the row
-        counts this engine runs, and the draft's at its own (1 row per sequence)."""
-        cfg = self.config
-        if not cfg.kernel_tuning or self.device.type != "cpu":
-            return None
-        tuner = KernelTuner(cache_root() / "tune", "target", progress=True)
-        rows = default_row_counts(
-            cfg.num_speculative_tokens, cfg.max_num_seqs, cfg.max_num_batched_tokens
-        )
-        table = tuner.tune(model, rows)
-        draft_rows = default_row_counts(0, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        if draft is not None:
-            KernelTuner(cache_root() / "tune", "draft", progress=True).tune(draft, draft_rows)
-        if self.eagle_head is not None:
-            KernelTuner(cache_root() / "tune", "eagle", progress=True).tune(self.eagle_head,
-                                                                          draft_rows)
-        return table
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.config.kv_cache_dtype
 
-    def _resolve_limits(self) -> None:
-        """Writes the derived context length and KV pool size back into the config."""
-        cfg, mc = self.config, self.model_config
-        model_max = mc.max_position_embeddings
-        if cfg.max_model_len is None:
-            cfg.max_model_len = min(model_max, _MAX_DEFAULT_CONTEXT)
-        elif cfg.max_model_len > model_max:
-            raise ConfigError(
-                f"max-model-len {cfg.max_model_len} exceeds the model's "
-                f"max_position_embeddings {model_max}; lower --max-model-len"
-            )
-        per_block = ModelRunner.bytes_per_block(mc, cfg.block_size, self.kv_dtype)
-        if self.draft_config is not None:
-            per_block += ModelRunner.bytes_per_block(self.draft_config, cfg.block_size, self.dtype)
-        if self.eagle_head is not None:
-            per_block += EagleRunner.bytes_per_block(self.eagle_head.config, cfg.block_size,
-                                                     self.dtype)
-        if cfg.num_kv_blocks is None:
-            budget = cfg.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
-            if self.device.type == "cuda" and cfg.kv_cache_memory is None:
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.9)
-            cfg.num_kv_blocks = budget // per_block
-        capacity = cfg.num_kv_blocks * cfg.block_size
-        if capacity < cfg.max_model_len:
-            raise ConfigError(
-                f"the KV pool holds {capacity} tokens ({cfg.num_kv_blocks} blocks of "
-                f"{cfg.block_size}), fewer than max-model-len {cfg.max_model_len}: raise "
-                f"--kv-cache-memory (each block takes {per_block} bytes) or lower --max-model-len"
-            )
+    @property
+    def model_path(self) -> str:
+        return self.config.model_path
 
-    def _eos_ids(self) -> frozenset[int]:
-        ids = set(self.model_config.eos_token_ids)
-        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
-        if tok_eos is not None:
-            ids.add(tok_eos)
-        return frozenset(ids)
+    @property
+    def quantization(self) -> str:
+        return self.config.quantization
+
+    @property
+    def attn_backend(self):
+        return self.runner.attn_backend
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -271,35 +139,17 @@ class LLMEngine:
             )
         params.validate()
         seq = Sequence(next(self._seq_ids), request_id, ids, params)
-        seq.spec_method, seq.spec_k_max = self._resolve_speculation(speculative)
-        seq.draft_kv_from_target = (self.eagle_head is not None
-                                    and seq.spec_method in ("eagle", "auto"))
-        seq.spec_tenant = speculative.tenant if speculative else ""
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
-        self.requests[request_id] = RequestState(
-            seq, detok, self.eos_token_ids, self.config.max_model_len, generator
-        )
-        self.requests[request_id].timings.speculative_method = seq.spec_method
+        method = self.speculator.add(seq, speculative)  # raises for a method it cannot run
+        state = RequestState(seq, detok, self.eos_token_ids, self.config.max_model_len, generator)
+        state.timings.speculative_method = method
+        self.requests[request_id] = state
         self.scheduler.add(seq)
-
-    def _resolve_speculation(self, spec: SpeculativeParams | None) -> tuple[str, int]:
-        method = (spec.method if spec else None) or self.config.default_speculative_method
-        k = spec.num_tokens if spec and spec.num_tokens is not None else None
-        if k is None:  # suffix drafts are as long as their match: they get their own k_max
-            cfg = self.config
-            k = (cfg.suffix_speculative_tokens if method in ("suffix", "auto")
-                 else cfg.num_speculative_tokens)
-        if not self.speculator.available(method):
-            raise InvalidRequestError(
-                f"speculative.method {method!r} needs a server started with --draft-model",
-                param="speculative.method",
-            )
-        return (method, k) if method != "off" and k > 0 else ("off", 0)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancels a request; its KV blocks return to the pool at once. Returns its final output
@@ -313,7 +163,7 @@ class LLMEngine:
         return state.make_output()
 
     def clear_speculation_caches(self, tenant: str | None = None) -> None:
-        """Empties the suffix decoding cache (one tenant's part, or all)."""
+        """Empties what proposers learned across requests (one tenant's part, or all)."""
         self.speculator.clear_caches(tenant)
 
     def has_unfinished(self) -> bool:
@@ -322,76 +172,78 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """schedule -> (draft prefill, propose) -> one target forward -> verify -> post-process."""
+        """schedule -> propose -> build layout -> forward -> verify -> commit."""
         spec, tr = self.speculator, self.tracer
         t_start = time.perf_counter()  # the policy's own cost counts in the measured step
         with tr.span("schedule"):
-            spec.choose_k(self.scheduler.running, self.config.max_model_len)
+            spec.plan(self.scheduler.running)
             batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        only_decode = all(s.seq.num_tokens - s.seq.num_computed_tokens == 1
-                          for s in batch.scheduled)
         rows = {s.seq.seq_id: self._sample_request(s.seq) for s in batch.scheduled if s.samples}
-        with tr.span("draft_prefill"):
-            spec.draft_prefill(batch)
-        with tr.span("propose"):
-            drafts = spec.propose(batch, rows)
+        drafts = spec.propose(batch, rows, tr.span)
         t_drafted = time.perf_counter()
-        num_drafts = sum(len(d) for d in drafts.tokens.values())
-        with tr.span("target_forward", only_decode=only_decode, drafts=num_drafts):
-            input_ids, positions, meta, logits_idx, spans = self._prepare(batch, drafts.tokens)
-            capture = spec.feature_capture(batch, drafts.tokens, self.device)
-            logits, _ = self.runner.forward(input_ids, positions, meta, logits_idx,
-                                            capture=capture)
-            spec.store_features(capture)
+        with tr.span("target_forward", only_decode=batch.is_decode_only,
+                     drafts=drafts.num_tokens):
+            layout = build_layout(_target_chunks(batch, drafts), self.config.block_size,
+                                  self.device)
+            features = spec.features_wanted(batch, layout)
+            logits = self.runner.run(layout, features)
         t_model = time.perf_counter()
-        per_seq = {sid: logits[a:b] for sid, (a, b) in spans.items()}
-        with tr.span("sample", drafts=num_drafts):  # rejection sampling of the drafts
-            results = spec.verify(per_seq, rows, drafts)
+        with tr.span("sample", drafts=drafts.num_tokens):  # rejection sampling of the drafts
+            results = spec.verify(batch, layout, logits, rows, drafts, features)
         t_sample = time.perf_counter()
-        # The policy prices a step by the tokens fed: the forward plus scoring its rows.
-        spec.policy.record_target(meta.num_tokens, t_sample - t_drafted)
+        spec.record_step(layout.num_tokens, t_sample - t_drafted)
+        outputs = self._commit(batch, drafts, results,
+                               _StepClock(t_start, t_drafted, t_model, t_sample))
+        # Stop checks, detokenization, bookkeeping; then the whole step around every span.
+        tr.add("output", t_sample, time.perf_counter())
+        tr.add("step", t_start, time.perf_counter(), seqs=len(batch.scheduled))
+        return outputs
 
+    def _commit(self, batch: ScheduledBatch, drafts: Drafts, results: dict[int, Verified],
+                clock: _StepClock) -> list[RequestOutput]:
+        """Per scheduled sequence: its timings, its new tokens (stops cut them where plain
+        decoding would), its computed-token count (written once), then its KV blocks: the full
+        ones enter the prefix cache, whole blocks past a rejected draft go back to the pool."""
         outputs: list[RequestOutput] = []
         for s in batch.scheduled:
             seq = s.seq
             state = self.requests[seq.request_id]
             t = state.timings
             if seq.timings.first_scheduled is None:
-                seq.timings.first_scheduled = t_start
+                seq.timings.first_scheduled = clock.start
                 t.num_cached_prompt_tokens = seq.num_cached_tokens
+            forward_ms = (clock.model - clock.drafted) * 1e3
             if seq.is_prefill:
-                t.prefill_ms += (t_model - t_drafted) * 1e3
+                t.prefill_ms += forward_ms
             else:
-                t.decode_ms += (t_model - t_drafted) * 1e3
-            if seq.seq_id not in results:  # a prefill chunk short of the prompt's end
+                t.decode_ms += forward_ms
+            verified = results.get(seq.seq_id)
+            if verified is None:  # a prefill chunk short of the prompt's end
                 seq.num_computed_tokens += s.num_new_tokens
                 self.block_manager.commit_computed(seq)
                 continue
-            tokens, accepted, logprobs = results[seq.seq_id]
-            seq_drafts = drafts.tokens.get(seq.seq_id, [])
             n_before = seq.num_tokens
-            # KV is valid for the fed tokens up to the last accepted draft (see rejection_sampler).
-            seq.num_computed_tokens = n_before + accepted
-            t.sample_ms += (t_sample - t_model) * 1e3
-            if seq_drafts:
+            t.sample_ms += (clock.sampled - clock.model) * 1e3
+            if verified.num_drafts:
                 t.draft_ms += drafts.draft_seconds * 1e3
-                t.num_drafted += len(seq_drafts)
-                t.num_accepted += accepted
+                t.num_drafted += verified.num_drafts
+                t.num_accepted += verified.num_accepted
                 t.num_verify_steps += 1
             if seq.timings.first_token is None:
-                seq.timings.first_token = t_sample
-            # Stops cut the tokens where plain decoding would; the first `accepted` are drafts.
-            state.append(tokens, logprobs, accepted if seq_drafts else 0)
-            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-            spec.after_verify(s, n_before, seq_drafts, accepted)
+                seq.timings.first_token = clock.sampled
+            state.append(verified.token_ids, verified.logprobs, verified.num_accepted)
+            # KV is valid for the fed tokens up to the last accepted draft (rejection_sampler),
+            # and never past the last token, which the next step feeds.
+            seq.num_computed_tokens = min(n_before + verified.num_accepted, seq.num_tokens - 1)
+            self.speculator.commit(seq, verified)
             if seq.is_finished:
                 # Its full blocks enter the prefix cache before they are freed: a request that
                 # ends on its first step (max_tokens=1) would otherwise cache none of its prompt.
                 self.block_manager.commit_computed(seq)
                 self.scheduler.finish(seq)
-                spec.forget(seq)
+                self.speculator.forget(seq)
                 self.requests.pop(seq.request_id)
             else:
                 # Rejected drafts: slots past the new end are overwritten later; whole blocks
@@ -399,9 +251,6 @@ class LLMEngine:
                 self.block_manager.truncate(seq, seq.num_tokens)
                 self.block_manager.commit_computed(seq)
             outputs.append(state.make_output())
-        # Stop checks, detokenization, bookkeeping; then the whole step around every span.
-        tr.add("output", t_sample, time.perf_counter())
-        tr.add("step", t_start, time.perf_counter(), seqs=len(batch.scheduled))
         return outputs
 
     def _sample_request(self, seq: Sequence) -> SampleRequest:
@@ -414,39 +263,6 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             generator=self.requests[seq.request_id].generator,
             banned_until_min_tokens=banned,
-        )
-
-    def _prepare(self, batch: ScheduledBatch, drafts: dict[int, list[int]]):
-        """Flattens the scheduled chunks (each decoding sequence: its last token + its drafts)
-        into one batch. Returns input_ids [T], positions [T], attention metadata,
-        logits_indices [S] and, per sampling sequence, its [start, end) rows in the logits:
-        k + 1 rows for a sequence verifying k drafts, 1 for the end of a prefill."""
-        ids: list[int] = []
-        query_lens, context_lens, tables = [], [], []
-        logits_idx: list[int] = []
-        spans: dict[int, tuple[int, int]] = {}
-        for s in batch.scheduled:
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
-            extra = drafts.get(seq.seq_id, [])
-            ids.extend(seq.token_ids[start : start + n])
-            ids.extend(extra)
-            query_lens.append(n + len(extra))
-            context_lens.append(start + n + len(extra))
-            tables.append(seq.block_table)
-            if s.samples:
-                first = len(logits_idx)
-                logits_idx.extend(range(len(ids) - len(extra) - 1, len(ids)))
-                spans[seq.seq_id] = (first, len(logits_idx))
-        meta = AttentionMetadata.build(
-            query_lens, context_lens, tables, self.config.block_size, self.device
-        )
-        positions = token_positions(query_lens, context_lens)  # [T]
-        return (
-            torch.tensor(ids, dtype=torch.int64, device=self.device),
-            positions.to(self.device),
-            meta,
-            torch.tensor(logits_idx, dtype=torch.int64, device=self.device),
-            spans,
         )
 
     # ---- offline API --------------------------------------------------------------------
@@ -476,3 +292,18 @@ class LLMEngine:
                 if out.request_id in merged:
                     merged[out.request_id].add(out)
         return [m.take() for m in merged.values()]  # type: ignore[misc]
+
+
+def _target_chunks(batch: ScheduledBatch, drafts: Drafts) -> list[Chunk]:
+    """The target's part of the step: each scheduled sequence feeds its new tokens (a prefill
+    chunk, or its last token) plus its drafts; a sequence that samples wants logits for its
+    last fed token and every draft (k + 1 rows), a prefill chunk short of the end none."""
+    chunks = []
+    for s in batch.scheduled:
+        seq, start = s.seq, s.seq.num_computed_tokens
+        extra = drafts.tokens.get(seq.seq_id, [])
+        fed = seq.token_ids[start : start + s.num_new_tokens]
+        if extra:
+            fed = fed + extra
+        chunks.append(Chunk(fed, start, seq.block_table, len(extra) + 1 if s.samples else 0))
+    return chunks

@@ -6,6 +6,10 @@ while prefilling); a step packs running sequences first (FCFS), then admits wait
 token budget ``max_num_batched_tokens`` or ``max_num_seqs`` is reached. A prompt larger than the
 remaining budget is fed in chunks over several steps (chunked prefill), mixed with decodes.
 
+A decoding sequence also verifies ``seq.num_lookahead_slots`` draft tokens (set by the
+speculator before each schedule, as vLLM v1's scheduler reserves lookahead slots): its chunk is
+``1 + k`` tokens, with ``k`` cut to what the budget still allows.
+
 When the KV pool runs dry, speculation yields first: the sequence's own lookahead (k) drops to 0,
 then the lookahead of the sequences already scheduled this step is returned. Only then is the
 newest running sequence preempted by recompute: its blocks are
@@ -17,42 +21,20 @@ again later (a prefix-cache hit usually makes that cheap). A sequence is always 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from specserve.core.batch import ScheduledBatch, ScheduledSeq
 from specserve.core.config import EngineConfig
 from specserve.core.sequence import Sequence, SequenceStatus
 from specserve.engine.block_manager import BlockManager
 
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
-    num_lookahead: int = 0  # speculative draft tokens verified after them (KV slots reserved)
-    # True if this chunk reaches the end of the known tokens, so the step samples one. Fixed at
-    # scheduling time (the engine advances num_computed_tokens afterwards).
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class ScheduledBatch:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens + s.num_lookahead for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+if TYPE_CHECKING:
+    from specserve.engine.resolve import ResolvedConfig
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig | ResolvedConfig, block_manager: BlockManager
+                 ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
@@ -79,13 +61,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
 
         # 1. Running sequences, oldest first. Preempt from the newest end when blocks run out.
-        # A decoding sequence also verifies ``seq.spec_k`` draft tokens (set by the engine's
-        # speculation policy), cut to what the budget still allows.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            k = min(seq.spec_k, budget - n) if seq.num_tokens - seq.num_computed_tokens == 1 else 0
+            decoding = seq.num_tokens - seq.num_computed_tokens == 1
+            k = min(seq.num_lookahead_slots, budget - n) if decoding else 0
             while not self.block_manager.allocate_slots(seq, n, k):
                 if k:  # drop this sequence's drafts before preempting anyone for their slots
                     k = 0
