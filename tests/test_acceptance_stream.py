@@ -17,16 +17,11 @@ import pytest
 
 from specserve.engine.text_sources import TextSources
 from specserve.server.server_config import ServerConfig
-from tests.test_server import (  # noqa: F401  (model_dir is a fixture)
-    KEY,
-    ServerThread,
-    engine_config,
-    model_dir,
-)
+from tests.helpers.servers import KEY, ServerThread, engine_config
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811
+def server(model_dir):
     srv = ServerThread(
         engine_config(model_dir, draft_model=model_dir, speculative_method="draft",
                       adaptive_speculation=False, num_speculative_tokens=3),

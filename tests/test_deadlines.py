@@ -20,22 +20,13 @@ import pytest
 
 from specserve.server.app import APP_KEY
 from specserve.server.server_config import ServerConfig
-from tests.test_server import (  # noqa: F401  (model_dir / offline are fixtures)
-    NAME,
-    PROMPTS,
-    ServerThread,
-    engine_config,
-    http,
-    model_dir,
-    offline,
-    reference,
-)
+from tests.helpers.servers import NAME, PROMPTS, ServerThread, engine_config, http, reference
 
 LONG = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811
+def server(model_dir):
     srv = ServerThread(engine_config(model_dir, speculative_method="ngram"),
                        ServerConfig(port=0, served_model_name=NAME))
     yield srv
@@ -180,7 +171,8 @@ def test_timeout_field_is_validated(server, value):
     assert status == 400 and resp["error"]["param"] == "timeout", resp
 
 
-def test_server_request_timeout_and_the_field_overrides_it(model_dir, offline):  # noqa: F811
+@pytest.mark.e2e
+def test_server_request_timeout_and_the_field_overrides_it(model_dir, offline):
     srv = ServerThread(engine_config(model_dir), ServerConfig(port=0, served_model_name=NAME,
                                                               request_timeout=1e-6))
     try:

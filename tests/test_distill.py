@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from specserve.cli import main as cli_main
 from specserve.core.errors import ModelLoadError
@@ -21,14 +20,15 @@ from specserve.distill.student import StudentSpec, build_student, choose_head_vo
 from specserve.distill.train import TrainConfig, evaluate, head_lookup, make_batches
 from specserve.engine.llm_engine import LLMEngine
 from specserve.target.loader import load_weights
-from tests.test_engine import BASE, build_model_dir, hf_greedy
-from tests.test_spec_decode import chi_square, exact_second_token_distribution, make
+from tests.helpers.reference import chi_square, exact_second_token_distribution, hf_greedy
+from tests.helpers.speculation import make
+from tests.helpers.tiny_models import BASE, build_tiny_model, tiny_config
 
 
 @pytest.fixture(scope="module")
 def text_target(text_model):
-    """test_spec_decode's tiny random Llama with the default model's tokenizer (and its chat
-    template), plus the same weights in transformers for reference outputs."""
+    """The tiny random Llama with the default model's tokenizer (and its chat template), plus
+    the same weights in transformers for reference outputs."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(text_model).float().eval()
@@ -189,7 +189,7 @@ def test_interrupted_training_resumes_to_the_same_weights(text_target, tmp_path)
 @pytest.fixture(scope="module")
 def small_vocab_target(tmp_path_factory):
     path = tmp_path_factory.mktemp("small_vocab_target")
-    hf = build_model_dir(LlamaConfig(**{**BASE, "max_position_embeddings": 512}), path)
+    hf = build_tiny_model(path, tiny_config(max_position_embeddings=512))
     return path, hf
 
 

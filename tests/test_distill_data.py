@@ -20,8 +20,8 @@ from specserve.distill.data import (
     generate_teacher_data,
     load_prompts,
 )
-from tests.test_engine import hf_greedy
-from tests.test_spec_decode import make
+from tests.helpers.reference import hf_greedy
+from tests.helpers.speculation import make
 
 CONVS = [
     Conversation("a", "chat", "train", ("Tell me about owls.", "Make it shorter.")),

@@ -13,7 +13,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from specserve.core.config import EngineConfig
 from specserve.core.errors import ConfigError
@@ -28,10 +27,14 @@ from specserve.kernels.metadata import AttentionMetadata, token_positions
 from specserve.kernels.registry import get_attention_backend
 from specserve.target.loader import load_weights
 from specserve.target.model import FeatureCapture
-from tests.test_engine import BASE, build_model_dir, hf_greedy, prompts
-from tests.test_spec_decode import chi_square, exact_second_token_distribution
+from tests.helpers.reference import (
+    chi_square,
+    exact_second_token_distribution,
+    hf_greedy,
+    prompts,
+)
+from tests.helpers.tiny_models import BASE, build_tiny_model, tiny_config
 
-LONG = {**BASE, "max_position_embeddings": 512}
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
@@ -40,7 +43,7 @@ def target(tmp_path_factory):
     """A tiny 4-layer target (so low, middle and high layers differ) and a head for it whose
     weights are the initialization plus noise (it drafts, and is often wrong)."""
     path = tmp_path_factory.mktemp("eagle_target")
-    hf = build_model_dir(LlamaConfig(**{**LONG, "num_hidden_layers": 4}), path)
+    hf = build_tiny_model(path, tiny_config(max_position_embeddings=512, num_hidden_layers=4))
     head_dir = tmp_path_factory.mktemp("eagle_head")
     head = noisy_head(path)
     save_head(head, load_weights(path)[0], head_dir, {"target": "tiny"})
@@ -222,7 +225,7 @@ def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
     trained on it must get what the trainer's held-out estimate says (the small data set
     generalizes only partly; that is training quality, not plumbing)."""
     path = tmp_path / "target"
-    hf = build_model_dir(LlamaConfig(**{**LONG, "num_hidden_layers": 1}), path)
+    hf = build_tiny_model(path, tiny_config(max_position_embeddings=512, num_hidden_layers=1))
     with torch.no_grad():  # a peaked target distribution: clear margins to learn
         hf.lm_head.weight.mul_(4)
     hf.save_pretrained(path)

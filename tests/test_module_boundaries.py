@@ -6,7 +6,6 @@ pyproject.toml)."""
 
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
@@ -14,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PKG = ROOT / "specserve"
+from tests.helpers.module_graph import PKG, ROOT, imported_modules
+
 # folder at the repo root -> the package it installs as
 SUBPACKAGES = {name: f"specserve.{name}" for name in ("kernels", "target", "draft", "distill")}
 SOURCE_DIRS = ["specserve", *SUBPACKAGES, "benchmarks", "tests"]
@@ -38,16 +37,6 @@ KNOWN_UPWARD = {
     "specserve.core.sampling_params imports specserve.draft.registry",
     "specserve.spec.speculator imports specserve.engine.scheduler",
 }
-
-
-def imported_modules(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-        elif isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-    return names
 
 
 def module_name(path: Path) -> str:

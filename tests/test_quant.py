@@ -362,7 +362,7 @@ def test_default_model_native_4bit_speculation_same_text_over_http():
     cached prefix changes no bits."""
     from specserve.core.config import EngineConfig
     from specserve.server.server_config import ServerConfig
-    from tests.test_server import KEY, NAME, ServerThread, http
+    from tests.helpers.servers import KEY, NAME, ServerThread, http
 
     srv = ServerThread(
         EngineConfig(kv_cache_memory=128 << 20, max_model_len=1024, adaptive_speculation=False),

@@ -23,13 +23,7 @@ from specserve.scale import ray_serve  # noqa: E402
 from specserve.scale.prefix_key import AffinityTable, prefix_hashes  # noqa: E402
 from specserve.scale.scale_config import ScaleConfig  # noqa: E402
 from specserve.server.server_config import ServerConfig  # noqa: E402
-from tests.test_server import (  # noqa: E402, F401  (model_dir is a fixture)
-    NAME,
-    ServerThread,
-    engine_config,
-    http,
-    model_dir,
-)
+from tests.helpers.servers import NAME, ServerThread, engine_config, http  # noqa: E402
 
 BLOCK = 4  # engine_config's block_size: a 3-block prefix is 12 tokens
 
@@ -40,12 +34,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _engine(model_dir: str):  # noqa: F811
+def _engine(model_dir: str):
     return engine_config(model_dir, speculative_method="ngram", adaptive_speculation=False)
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir):  # noqa: F811
+def cluster(model_dir):
     """The Ray Serve app (2 replicas, prefix router) and the single-process reference server."""
     ray.init(num_cpus=2, object_store_memory=100 * 1024 * 1024, include_dashboard=False,
              log_to_driver=False, runtime_env=ray_serve.source_runtime_env())
@@ -272,7 +266,7 @@ def test_replica_killed_mid_run_loses_no_request(cluster):
 
 def test_ray_front_end_reuses_the_transport_neutral_modules():
     """ray_serve.py answers through api.py / replies.py, never through the aiohttp module."""
-    from tests.test_module_boundaries import PKG, imported_modules
+    from tests.helpers.module_graph import PKG, imported_modules
 
     for name in ("server/replies.py", "scale/ray_serve.py", "scale/ray_router.py",
                  "scale/prefix_key.py"):
