@@ -186,6 +186,7 @@ def live(tiny):
     srv.stop()
 
 
+@pytest.mark.e2e
 def test_sweep_against_live_server(live, tmp_path):
     out = tmp_path / "sweep"
     rc = bench_main(["sweep", "--url", live.url, "--modes", "auto",  # the probe finds the draft
@@ -222,6 +223,7 @@ def test_sweep_against_live_server(live, tmp_path):
         assert (out / name).stat().st_size > 0
 
 
+@pytest.mark.e2e
 def test_sweep_errors_make_the_exit_code_nonzero(live, tmp_path):
     out = tmp_path / "errors"
     # 5000 tokens do not fit the 256-token context: every request is refused with a 400.

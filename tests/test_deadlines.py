@@ -95,6 +95,7 @@ class _MidStream:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200,
                               "ignore_eos": True}),
 ])
+@pytest.mark.e2e
 def test_tiny_timeout_is_a_408_and_frees_blocks(server, path, body):
     before = _timeouts(server)
     status, resp = http("POST", server.url + path, {**body, "timeout": 1e-6})
@@ -106,6 +107,7 @@ def test_tiny_timeout_is_a_408_and_frees_blocks(server, path, body):
     assert _timeouts(server) == before + 1
 
 
+@pytest.mark.e2e
 def test_streaming_deadline_ends_with_abort_then_an_error_event(server):
     before = _timeouts(server)
 
@@ -136,6 +138,7 @@ def test_streaming_deadline_ends_with_abort_then_an_error_event(server):
     assert 'specserve_sequences_finished_total{finish_reason="abort"}' in metrics
 
 
+@pytest.mark.e2e
 def test_websocket_deadline_ends_with_one_error_and_no_done(server):
     before = _timeouts(server)
 
@@ -166,6 +169,7 @@ def test_websocket_deadline_ends_with_one_error_and_no_done(server):
 
 
 @pytest.mark.parametrize("value", [0, -1, "soon", 1e7])
+@pytest.mark.e2e
 def test_timeout_field_is_validated(server, value):
     status, resp = http("POST", server.url + "/v1/completions", {**LONG, "timeout": value})
     assert status == 400 and resp["error"]["param"] == "timeout", resp

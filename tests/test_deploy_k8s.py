@@ -58,6 +58,7 @@ def server(model_dir):
     srv.stop()
 
 
+@pytest.mark.e2e
 def test_metrics_carry_the_gateway_gauges(server):
     assert http("POST", server.url + "/v1/completions", GOOD, key=None)[0] == 200
     status, text = http("GET", server.url + "/metrics", key=None)

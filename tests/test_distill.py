@@ -58,6 +58,7 @@ def tiny_distill(target: Path, out: Path, prompts: Path, **train_kw) -> Path | N
     ))
 
 
+@pytest.mark.slow
 def test_distill_lowers_kl_and_writes_a_draft_that_loads(text_target, tmp_path):
     target, hf, _ = text_target
     prompts = write_prompts(tmp_path / "prompts.json")
@@ -166,6 +167,7 @@ def test_paired_speedup_is_tokens_per_second_of_runs_timed_back_to_back():
         paired_speedup(runner(1.0, 64), lambda: [], clock)
 
 
+@pytest.mark.slow
 def test_interrupted_training_resumes_to_the_same_weights(text_target, tmp_path):
     target, _, _ = text_target
     prompts = write_prompts(tmp_path / "prompts.json")
@@ -203,6 +205,7 @@ def reduced_head_draft(target: Path, out: Path, head_size: int) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_reduced_head_draft_keeps_sampling_exact(small_vocab_target, tmp_path):
     """The draft never proposes tokens outside its head (q = 0 there); the residual
     distribution must still give the target's exact marginal for the verified token."""

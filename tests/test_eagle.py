@@ -184,6 +184,7 @@ def test_prefix_hits_from_plain_requests_do_not_starve_the_head_of_features(targ
     assert bm.prefix_hits > hits_before and again.token_ids == cold.token_ids
 
 
+@pytest.mark.slow
 def test_sampled_distribution_equals_target_with_eagle(target):
     """The second token comes out of a k = 1 verify step: its distribution must equal the
     target's exact float64 marginal."""
@@ -217,6 +218,7 @@ def teacher_data(path, n: int, plen: int, new: int, seed: int) -> TeacherData:
                        prompt_lens=[plen] * n, ids=[str(i) for i in range(n)])
 
 
+@pytest.mark.slow
 def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
     """A one-layer target: a head that ignores its feature and copies the target's layer is an
     exact imitation, reachable by training. The head starts from a noisy copy (and an unused
@@ -263,6 +265,7 @@ def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
     assert abs(tokens_per_verify(prompts([8] * 16, seed=4)) - after.tokens_per_verify) < 0.4
 
 
+@pytest.mark.slow
 def test_cli_trains_from_tokens_only_shards_resumes_and_evaluates(text_model, tmp_path):
     from specserve.distill.cli import add_distill_parser, cmd_distill
 

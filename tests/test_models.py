@@ -171,6 +171,7 @@ def test_bytes_per_block(tmp_path):
     assert runner.kv_caches[1][0].data_ptr() != runner.kv_caches[0][0].data_ptr()
 
 
+@pytest.mark.slow
 def test_default_model_matches_transformers():
     """SmolLM2-135M (dequantized GGUF; cached after the first run): our logits for a prompt and
     8 greedy decode steps equal transformers' LlamaForCausalLM built from the same config and

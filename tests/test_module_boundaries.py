@@ -118,6 +118,7 @@ def test_install_layout_is_one_top_level_package():
     assert set(tool["package-data"]) <= set(tool["packages"])
 
 
+@pytest.mark.e2e
 def test_a_checkout_imports_its_own_folders(tmp_path):
     """Run from a checkout (even beside another tree's editable install), specserve.kernels etc.
     are this checkout's folders. -S: no site-packages, hence no editable install to lean on."""

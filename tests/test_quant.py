@@ -48,6 +48,7 @@ def test_gguf_blocks_dequantize_like_gguf_bit_for_bit(type_name, tmp_path):
     assert torch.equal(ours, ref)
 
 
+@pytest.mark.slow
 def test_default_model_blocks_equal_transformers_weights():
     """The built-in GGUF's Q4_1 projections (q/k un-permuted, fused) and its Q8_0 table, loaded
     natively, dequantize bit for bit to the float tensors transformers' GGUF loader produces."""
@@ -242,6 +243,7 @@ REWRITE = ("Rewrite in the past tense: The new library opens on Monday. The new 
 @pytest.mark.parametrize("quantization, kv_cache_dtype", [
     ("auto", "auto"), ("int8", "auto"), ("int4", "auto"), ("auto", "float16"),
     ("auto", "bfloat16")])
+@pytest.mark.slow
 def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization, kv_cache_dtype):
     """Under every quantization of the built-in model (auto: its own Q4_1/Q8_0 blocks), and with
     a float16 or bfloat16 KV cache, n-gram speculation with a fixed k=4 gives token-for-token
@@ -271,6 +273,7 @@ def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization, kv
     assert one_by_one == [x.token_ids for x in a]  # batch of 3 == alone
 
 
+@pytest.mark.slow
 def test_16_bit_kv_caches_need_the_cpp_attention():
     """float16 / bfloat16 caches only where the C++ attention reads them; ``auto`` keeps the
     model's dtype elsewhere (the dense float32 path stays the transformers-exact reference)."""
@@ -288,6 +291,7 @@ def test_16_bit_kv_caches_need_the_cpp_attention():
     assert dense.runner.kv_cache.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_quantized_hf_folder_speculation_equals_plain(text_model):
     """An HF folder quantized at load (int4 and int8): greedy n-gram output equals plain."""
     from specserve.core.sampling_params import SamplingParams
@@ -355,6 +359,8 @@ def test_whole_layer_call_equals_the_per_op_path(text_model, monkeypatch):
     assert torch.equal(whole, per_op)
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_default_model_native_4bit_speculation_same_text_over_http():
     """The built-in model with the server's defaults (its Q4_1/Q8_0 blocks, the shipped draft):
     per-request speculation off / ngram / draft gives the same greedy chat answer, over HTTP.

@@ -86,6 +86,8 @@ def replicas(url: str) -> dict[str, dict]:
     return {r["replica"]: r for r in reps}
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
 def test_outputs_equal_single_process_json_and_sse(cluster):
     prompts = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
     for prompt in prompts:
@@ -117,6 +119,8 @@ def test_outputs_equal_single_process_json_and_sse(cluster):
     assert s1 == s2 == 400 and e1 == e2
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
 def test_health_models_metrics(cluster):
     status, h = http("GET", cluster.url + "/health", key=None)
     assert status == 200 and h["status"] == "ok" and h["kv_blocks_total"] == 2 * 1024
@@ -132,6 +136,8 @@ def test_health_models_metrics(cluster):
             assert f'{series}{{replica="{rid}"}}' in text, (series, rid)
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
 def test_shared_prefix_lands_on_one_replica(cluster):
     """Eight requests whose first 3 KV blocks (12 tokens) are equal and whose tails differ:
     one replica gets them all and serves 12 prompt tokens of every one but the first from its
@@ -184,6 +190,8 @@ def test_affinity_spills_over_past_the_imbalance_and_forgets_dead_replicas():
     assert not any(other in o for o in table.owners.values())
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
 def test_replica_killed_mid_run_loses_no_request(cluster):
     """Requests in flight on a killed replica end with an OpenAI error (JSON 503, or an SSE
     error event then [DONE]); the others complete; new requests go to the survivor; Ray

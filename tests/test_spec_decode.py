@@ -121,6 +121,7 @@ def second_token_counts(models, method: str, rounds: int, seeded: bool = False):
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "auto"])
+@pytest.mark.slow
 def test_sampled_distribution_equals_target(models, method):
     """The second token is produced by a verify step (k = 1 draft), so its distribution is the
     rejection sampler's output; it must equal the target's exact marginal."""
@@ -131,6 +132,7 @@ def test_sampled_distribution_equals_target(models, method):
 
 
 @pytest.mark.parametrize("method", ["draft", "suffix"])
+@pytest.mark.slow
 def test_seeded_sampled_distribution_equals_target(models, method):
     """The same with a seed per request: seeded rows are verified by sampling each position
     (rejection_sampler.py), and their second tokens still follow the target's marginal."""
@@ -267,6 +269,7 @@ def test_long_random_workload_returns_every_block(models):
     assert not engine.requests
 
 
+@pytest.mark.slow
 def test_random_stops_identical_with_and_without_speculation(text_model):
     """Self-draft: every verify step accepts k + 1 tokens, so stops land inside multi-token
     steps; text, token ids, finish reason and logprobs must be byte-identical to plain."""
