@@ -41,7 +41,10 @@ while a 0.5B model on a busy one took 4 min. Since the work is ordered by value,
 CPU's speed or load the budget buys the shapes a batch-1 decode and verify run first; a slower
 or busier CPU leaves more of the large batches to a later start.
 
-Cache: ``$SPECSERVE_CACHE_DIR/tune/<sha of CPU model, torch version, threads, model>.json``.
+Cache: ``$SPECSERVE_CACHE_DIR/tune/<sha of CPU model, torch version, threads, model>.json``,
+and beside it every shape's timings (``shapes-<sha of the machine key>.json``: tune_table.py's
+``ShapeStore``), so a shape already timed on this machine, for any model or engine
+configuration, is read instead of timed (and spends none of the budget).
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,10 +65,10 @@ from torch import nn
 from specserve.kernels import quant_ext
 from specserve.kernels.linear import DENSE_KERNELS, DenseLinear, RowPlan
 from specserve.kernels.quant import BlockQuantLinear
+from specserve.kernels.tune_table import FORMAT, GroupResult, ShapeStore, TuneTable
 
 log = logging.getLogger(__name__)
 
-_FORMAT = "4"  # 4: the entries a budget left untimed are recorded (``fallback``)
 DEFAULT_BUDGET_S = 60.0  # seconds of timing per tuner; the module docstring says why
 # What a shape runs untuned, by kind: every CPU the kernels run on has AVX2.
 DEFAULT_CHOICE = {"block": "avx2/4", "dense": "linear"}
@@ -110,80 +112,6 @@ def default_row_counts(k_max: int, max_num_seqs: int, max_batched: int) -> list[
         counts.update((r, r + r // 2))
         r *= 2
     return sorted(c for c in counts if c <= min(max_batched, _MAX_TUNED_ROWS))
-
-
-def interpolate(points: dict[int, float], x: int) -> float:
-    """``points`` (count -> seconds) at ``x``: linear between the neighbours, the smallest
-    count's value below it, proportional to ``x`` above the largest."""
-    counts = sorted(points)
-    if x <= counts[0]:
-        return points[counts[0]]
-    if x >= counts[-1]:
-        return points[counts[-1]] * x / counts[-1]
-    hi = next(c for c in counts if c >= x)
-    lo = max(c for c in counts if c <= x)
-    if hi == lo:
-        return points[lo]
-    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
-
-
-@dataclass
-class GroupResult:
-    choice: dict[int, str] = field(default_factory=dict)  # rows -> candidate
-    seconds: dict[int, float] = field(default_factory=dict)  # rows -> chosen, all modules
-    timings: dict[int, dict[str, float]] = field(default_factory=dict)  # rows -> cand -> s/call
-    # rows the budget left untimed -> where their choice came from: "default", or the group of
-    # the same form family whose timing at those rows it shares
-    fallback: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass
-class TuneTable:
-    groups: dict[str, GroupResult] = field(default_factory=dict)
-
-    def projection_seconds(self, rows: int) -> float | None:
-        """Measured seconds of every tuned projection of one forward at ``rows`` rows: linear
-        between the measured counts around it, proportional beyond the largest (None when
-        nothing was measured). Taking the count below instead priced the rows between two
-        measured counts as free (9 rows as 8), so the policy saw extra verify rows at no cost
-        exactly where a batch of 8 decides whether to draft."""
-        if not self.groups:
-            return None
-        total = 0.0
-        for g in self.groups.values():
-            if not g.seconds:
-                return None
-            total += interpolate(g.seconds, rows)
-        return total
-
-    @property
-    def num_untimed(self) -> int:
-        """Shapes on a fallback choice (0: every shape was timed)."""
-        return sum(len(g.fallback) for g in self.groups.values())
-
-    def to_json(self) -> dict:
-        return {
-            "format": _FORMAT,
-            "groups": {
-                k: {"choice": g.choice, "seconds": g.seconds, "timings": g.timings,
-                    "fallback": g.fallback}
-                for k, g in self.groups.items()
-            },
-        }
-
-    @staticmethod
-    def from_json(data: dict) -> TuneTable:
-        if data.get("format") != _FORMAT:
-            raise ValueError("old tune table format")
-        table = TuneTable()
-        for k, g in data["groups"].items():
-            table.groups[k] = GroupResult(
-                {int(r): c for r, c in g["choice"].items()},
-                {int(r): s for r, s in g["seconds"].items()},
-                {int(r): t for r, t in g["timings"].items()},
-                {int(r): f for r, f in g["fallback"].items()},
-            )
-        return table
 
 
 def _signature(module: nn.Module) -> str | None:
@@ -318,6 +246,16 @@ class KernelTuner:
         self.budget_s = budget_s
         self.clock = clock
 
+    @staticmethod
+    def machine_key() -> str:
+        """What any timing here depends on besides the shape: the CPU, torch and its threads,
+        the candidates and the kernel build."""
+        return "|".join([
+            cpu_model(), torch.__version__, str(torch.get_num_threads()), FORMAT,
+            ",".join(DENSE_KERNELS), str(quant_ext.ROWS_PER_PASS),
+            ",".join(quant_ext.supported_isas()), quant_ext.build_key(),
+        ])
+
     def cache_path(
         self, groups: dict[str, list[nn.Module]], row_counts: Iterable[int]
     ) -> Path | None:
@@ -326,14 +264,15 @@ class KernelTuner:
         if self.cache_dir is None:
             return None
         shapes = ",".join(f"{sig}*{len(mods)}" for sig, mods in sorted(groups.items()))
-        key = "|".join([
-            cpu_model(), torch.__version__, str(torch.get_num_threads()), self.model_key, shapes,
-            ",".join(map(str, row_counts)), _FORMAT,
-            ",".join(DENSE_KERNELS), str(quant_ext.ROWS_PER_PASS),
-            ",".join(quant_ext.supported_isas()),
-            quant_ext.build_key(),
-        ])
+        key = "|".join([self.machine_key(), self.model_key, shapes,
+                        ",".join(map(str, row_counts))])
         return self.cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+    def store_path(self) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        digest = hashlib.sha256(self.machine_key().encode()).hexdigest()[:20]
+        return self.cache_dir / f"shapes-{digest}.json"
 
     def tune(self, model: nn.Module, row_counts: list[int]) -> TuneTable:
         """Measures (or reads from the cache, timing what an earlier budget left untimed) and
@@ -365,8 +304,9 @@ class KernelTuner:
 
     def measure(self, groups: dict[str, list[nn.Module]], row_counts: list[int],
                 table: TuneTable | None = None) -> TuneTable:
-        """Times every shape ``table`` (default: a new one) has not timed, in ``work_order``,
-        until the budget is spent; the rest fall back (``fill_untimed``)."""
+        """Every shape ``table`` (default: a new one) has not timed, in ``work_order``: read
+        from the shape store when this machine timed it before, else timed until the budget is
+        spent; the rest fall back (``fill_untimed``)."""
         from tqdm import tqdm
 
         table = table or TuneTable()
@@ -378,10 +318,20 @@ class KernelTuner:
                    disable=not self.progress, unit="shape")
         start = self.clock()
         evict = cache_evictor(groups)
+        store = ShapeStore(self.store_path())
         last: dict[str, tuple[int, float]] = {}  # group -> (rows, seconds) of its last shape
         untimed: list[tuple[str, int]] = []
+        reused = 0
         with torch.inference_mode():
             for sig, rows in todo:
+                sampled = len(groups[sig][: self.modules_per_group])
+                key = ShapeStore.entry_key(sig, sampled, evict is not None, self.repeats)
+                per_call = store.get(key, rows)
+                if per_call is not None:
+                    record(table.groups[sig], rows, per_call, len(groups[sig]))
+                    reused += 1
+                    bar.update(1)
+                    continue
                 left = math.inf if self.budget_s is None else \
                     self.budget_s - (self.clock() - start)
                 # a shape costs about its rows times what the group's last one cost per row
@@ -392,31 +342,37 @@ class KernelTuner:
                 bar.set_postfix_str(f"{sig} x{rows}" + (
                     "" if self.budget_s is None else f", {left:.0f}s left"), refresh=False)
                 t0 = self.clock()
-                self._time_shape(table.groups[sig], groups[sig], rows, evict)
+                per_call = self._time_shape(groups[sig], rows, evict)
                 last[sig] = (rows, self.clock() - t0)
+                store.put(key, rows, per_call)
+                record(table.groups[sig], rows, per_call, len(groups[sig]))
                 bar.update(1)
+        store.save()
         fill_untimed(table, untimed)
         bar.set_postfix_str(f"{len(untimed)} untimed" if untimed else "done")
         bar.close()
         elapsed = self.clock() - start
-        timed = len(todo) - len(untimed)
+        timed = len(todo) - len(untimed) - reused
         for sig in groups:
             log.info("tuned %s: %s", sig, _summary(table.groups[sig]))
         if untimed:
             shared = sum(not f.startswith("default") for g in table.groups.values()
                          for f in g.fallback.values())
             log.warning(
-                "kernel tuning (%s): timed %d of %d shapes in %.1fs, the %.0fs budget; %d fell "
-                "back untimed (%d to a same-family group's choice, %d to the untuned defaults); "
-                "a later start times them", self.model_key, timed, len(todo), elapsed,
-                self.budget_s, len(untimed), shared, len(untimed) - shared)
+                "kernel tuning (%s): timed %d of %d shapes in %.1fs, the %.0fs budget (%d read "
+                "from earlier timings); %d fell back untimed (%d to a same-family group's "
+                "choice, %d to the untuned defaults); a later start times them",
+                self.model_key, timed, len(todo), elapsed, self.budget_s, reused, len(untimed),
+                shared, len(untimed) - shared)
         else:
-            log.info("kernel tuning (%s): timed %d shapes in %.1fs", self.model_key, timed,
-                     elapsed)
+            log.info("kernel tuning (%s): timed %d shapes in %.1fs (%d read from earlier "
+                     "timings)", self.model_key, timed, elapsed, reused)
         return table
 
-    def _time_shape(self, result: GroupResult, modules: list[nn.Module], rows: int,
-                    evict: Callable[[], object] | None) -> None:
+    def _time_shape(self, modules: list[nn.Module], rows: int,
+                    evict: Callable[[], object] | None) -> dict[str, float]:
+        """Seconds per call of every candidate on ``rows`` rows, over up to
+        ``modules_per_group`` of the group's modules."""
         sample = modules[: self.modules_per_group]
         k = sample[0].in_features  # type: ignore[union-attr]
         dtype = torch.float32
@@ -425,12 +381,17 @@ class KernelTuner:
         x = torch.randn(rows, k, dtype=dtype)
         runs = [_candidates(m, x) for m in sample]
         timings = time_candidates(runs, self.repeats, evict, self.clock)
-        best = min(timings, key=timings.__getitem__)
-        per_call = {n: t / len(sample) for n, t in timings.items()}
-        result.choice[rows] = best
-        result.timings[rows] = per_call
-        result.seconds[rows] = per_call[best] * len(modules)
-        result.fallback.pop(rows, None)
+        return {n: t / len(sample) for n, t in timings.items()}
+
+
+def record(result: GroupResult, rows: int, per_call: dict[str, float], modules: int) -> None:
+    """A timed shape into its group's result: the fastest candidate, and its seconds over all
+    ``modules`` of the group."""
+    best = min(per_call, key=per_call.__getitem__)
+    result.choice[rows] = best
+    result.timings[rows] = per_call
+    result.seconds[rows] = per_call[best] * modules
+    result.fallback.pop(rows, None)
 
 
 def fill_untimed(table: TuneTable, untimed: list[tuple[str, int]]) -> None:

@@ -1,8 +1,9 @@
 """The kernel tuner (kernels/tuner.py): the faster candidate is chosen and the table cached,
-weights are timed where a forward meets them, projections interpolate, and the time budget:
-shapes past it fall back (to a same-family group's timed choice, else the untuned default),
-the table and a log line say so, and a later start times exactly what was left. Every timing
-here runs on a fake clock, so no result depends on how busy the machine is."""
+weights are timed where a forward meets them, projections interpolate, a shape timed for one
+table is read for the next, and the time budget: shapes past it fall back (to a same-family
+group's timed choice, else the untuned default), the table and a log line say so, and a later
+start times exactly what was left. Every timing here runs on a fake clock, so no result
+depends on how busy the machine is."""
 
 from __future__ import annotations
 
@@ -225,6 +226,33 @@ def test_a_budget_cut_falls_back_and_a_later_start_times_exactly_the_rest(tmp_pa
     assert second.projection_seconds(6) is not None
     again = tuner.KernelTuner(tmp_path, "cut", budget_s=0, clock=clock).tune(model, [1, 4, 8])
     assert again.num_untimed == 0  # the completed table was written back and is read as is
+
+
+def test_a_shape_timed_for_one_table_is_read_for_the_next(tmp_path, monkeypatch, caplog):
+    """Two engine configurations over the same shapes ask for rows [1, 4] and [1, 4, 8]: the
+    second times only the 8-row shapes (4 modules, 2 candidates, 2 passes: 16 calls) and reads
+    the rest from the shape store, equal to the first table's. Another repeats count is
+    another measurement: nothing is read for it."""
+    from specserve.kernels import tuner
+
+    clock = FakeClock()
+    calls = _fake_kernels(monkeypatch, clock)
+    first = tuner.KernelTuner(tmp_path, "a", repeats=1, clock=clock).tune(_budget_model(), [1, 4])
+    calls.clear()
+    with caplog.at_level(logging.INFO, logger="specserve.kernels.tuner"):
+        second = tuner.KernelTuner(tmp_path, "b", repeats=1, clock=clock).tune(
+            _budget_model(), [1, 4, 8])
+    assert calls == [8] * 16
+    for sig in GROUPS:
+        for rows in (1, 4):
+            assert second.groups[sig].timings[rows] == first.groups[sig].timings[rows]
+            assert second.groups[sig].choice[rows] == first.groups[sig].choice[rows] == "fast"
+        assert second.groups[sig].choice[8] == "fast" and not second.groups[sig].fallback
+    assert any("timed 3 shapes" in r.getMessage() and "(6 read from earlier timings)"
+               in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    calls.clear()
+    tuner.KernelTuner(tmp_path, "c", repeats=2, clock=clock).tune(_budget_model(), [1])
+    assert calls == [1] * (4 * 2 * 3)  # warm-up and 2 repeats, every module and candidate
 
 
 # ---- the attention form's budget --------------------------------------------------------------
