@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is speculative decoding? Answer in two sentences.
 
-.PHONY: install chromium serve generate test lint bench clean
+.PHONY: install chromium serve generate test test-fast lint bench clean
 
 $(BIN)/specserve: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,11 @@ chromium:
 
 test: install chromium
 	$(BIN)/python -m pytest
+
+# The quick subset: no slow, end-to-end, browser or Ray tests (markers in pyproject.toml);
+# under two minutes on 2 CPU cores.
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow and not e2e and not browser and not ray"
 
 lint: install
 	$(BIN)/ruff check .

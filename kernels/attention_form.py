@@ -15,6 +15,13 @@ and a long context, and keeps the form that is fastest relative to the best on e
 once per machine); the choice is cached per CPU model, torch threads, shape and extension build
 under ``$SPECSERVE_CACHE_DIR/tune``, so every later start (and every server restart) runs the
 same form and gives the same bits.
+
+The timing has a budget (``DEFAULT_BUDGET_S``): a pass times every form on every case, and no
+pass starts once the budget is spent (the warm-up and one timed pass always run), so a busy
+machine chooses from fewer passes instead of stalling its first start (10 passes took 144 s
+on this project's loaded 2-core machine). The cached record says how many passes it rests on.
+Unlike the kernel tuner's table, a later start does not refine a choice cut short: its form
+decides the bits, and restarts must keep them.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +47,9 @@ DEFAULT = 64 * AVX2 + 8  # untimed (kernel tuning off): runs on every CPU the ex
 _CONTEXTS = (768, 2048)  # keys per timed sequence: a chat context, a long one
 _ROWS = (1, 5, 17)  # a decode step, a 4-token verify and a 16-token one
 _LAYERS = 8  # distinct caches per pass, so the keys come from memory as in a real step
+# Seconds of form timing before no further pass starts: a bound on what a first start waits,
+# set beside the kernel tuner's budget (kernels/tuner.py says why a wall-clock cap).
+DEFAULT_BUDGET_S = 30.0
 
 
 def form(isa: int, tile: int, seg: int = 0) -> int:
@@ -93,11 +104,15 @@ def query_rows(num_heads: int, head_dim: int, context: int, rows: int,
 
 
 def time_forms(num_heads: int, num_kv_heads: int, head_dim: int, forms: list[int],
-               repeats: int = 9, cache_dtype: torch.dtype = torch.float32) -> dict[int, float]:
+               repeats: int = 9, cache_dtype: torch.dtype = torch.float32,
+               budget_s: float | None = None, clock: Callable[[], float] = time.perf_counter,
+               ) -> tuple[dict[int, float], int]:
     """Per form, its cost over the timed cases (a decode row and two verifies, at a short and a
     long context; ``_LAYERS`` layers each): the sum over cases of its fastest pass relative to
     the fastest form's on that case, so a decode row (a fraction of a verify's time) weighs as
-    much as a verify. Passes alternate between the forms."""
+    much as a verify. Passes alternate between the forms; after the first timed one, none
+    starts once ``budget_s`` seconds (on ``clock``) have passed. Also returns how many timed
+    passes ran (``repeats`` unless the budget cut them)."""
     ext = quant_ext.load()
     g = torch.Generator().manual_seed(0)
     cases = []  # (q, caches, block table, seq_of, pos_of)
@@ -108,27 +123,35 @@ def time_forms(num_heads: int, num_kv_heads: int, head_dim: int, forms: list[int
             q, seq_of, pos_of = query_rows(num_heads, head_dim, context, rows, generator=g)
             cases.append((q, caches, table, seq_of, pos_of))
     samples = {f: [[] for _ in cases] for f in forms}
+    start = clock()
+    timed = 0
     for rep in range(repeats + 1):
+        if timed and budget_s is not None and clock() - start >= budget_s:
+            break
+        timed += rep > 0
         for f in forms if rep % 2 else forms[::-1]:
             for c, (q, caches, table, seq_of, pos_of) in enumerate(cases):
-                t0 = time.perf_counter()
+                t0 = clock()
                 for k, v in caches:
                     ext.paged_attention(q, k, v, table, seq_of, pos_of, head_dim ** -0.5, 0, f)
                 if rep:  # the first pass warms up
-                    samples[f][c].append(time.perf_counter() - t0)
+                    samples[f][c].append(clock() - t0)
     # The fastest pass, not the median: another process's work only ever adds time, and one
     # start's choice is cached for good (one start kept a form without key segments whose
     # decode row runs ~1.5x slower than the segmented ones'; 5 tunings in a row: the fastest
     # pass picked the same form 5 times, the median 4).
     fastest = {f: [min(s) for s in per_case] for f, per_case in samples.items()}
     best = [min(m[c] for m in fastest.values()) for c in range(len(cases))]
-    return {f: sum(t / b for t, b in zip(m, best)) for f, m in fastest.items()}
+    return {f: sum(t / b for t, b in zip(m, best)) for f, m in fastest.items()}, timed
 
 
 def choose_form(num_heads: int, num_kv_heads: int, head_dim: int, cache_dir: Path | None,
-                measure: bool = True, cache_dtype: torch.dtype = torch.float32) -> int:
+                measure: bool = True, cache_dtype: torch.dtype = torch.float32,
+                budget_s: float | None = DEFAULT_BUDGET_S,
+                clock: Callable[[], float] = time.perf_counter) -> int:
     """The form this process runs for a KV cache of ``cache_dtype``. ``measure=False`` (kernel
-    tuning off): DEFAULT, which runs everywhere, so the choice never depends on timing noise."""
+    tuning off): DEFAULT, which runs everywhere, so the choice never depends on timing noise.
+    ``budget_s``: see ``time_forms``."""
     forms = supported_forms(head_dim, cache_dtype)
     if not measure or len(forms) < 2:
         return DEFAULT
@@ -144,15 +167,22 @@ def choose_form(num_heads: int, num_kv_heads: int, head_dim: int, cache_dir: Pat
                 return cached
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    cost = time_forms(num_heads, num_kv_heads, head_dim, forms, cache_dtype=cache_dtype)
+    repeats = 9
+    cost, passes = time_forms(num_heads, num_kv_heads, head_dim, forms, repeats, cache_dtype,
+                              budget_s, clock)
     best = min(cost, key=cost.__getitem__)
-    log.info("attention form %d (cost relative to the best per case: %s)", best,
-             {f: round(c, 3) for f, c in cost.items()})
+    log.info("attention form %d from %d of %d timed passes (cost relative to the best per "
+             "case: %s)", best, passes, repeats, {f: round(c, 3) for f, c in cost.items()})
+    if passes < repeats:
+        log.warning("attention form timing cut by its %.0fs budget: %d of %d passes; the choice "
+                    "stands for every later start (its bits must not change)", budget_s,
+                    passes, repeats)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"form": best, "cost": cost}))
+            tmp.write_text(json.dumps({"form": best, "cost": cost, "passes": passes,
+                                       "of": repeats}))
             tmp.replace(path)
         except OSError as exc:
             log.warning("could not cache the attention form at %s: %s", path, exc)

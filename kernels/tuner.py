@@ -14,7 +14,37 @@ times the rows each unpacked weight block is shared by (1, 2, 4, 8; 16 for AVX-5
 measured cost of all projections of one forward per row count (``projection_seconds``), which
 the speculation policy uses to price steps it has not measured yet.
 
-Cache: ``$SPECSERVE_CACHE_DIR/tune/<sha of CPU model, torch version, threads, model>.json``.
+Budget: one tuner stops timing after ``budget_s`` seconds of wall time (``DEFAULT_BUDGET_S``), so
+a first start on a slow or busy machine ends in bounded time. The work runs in order of value:
+the fewest rows first (a decode, then the verifies, then ever larger batches), and within a row
+count the smallest group of each form family (kind, format or dtype, K) first. A shape the
+budget leaves untimed takes the choice measured at the same row count for a group of its family,
+when there is one, else the untuned default (``DEFAULT_CHOICE``: what ``--no-kernel-tuning``
+runs). Only the speed may differ: block forms give identical bits, dense candidates agree to
+float rounding. The table records which entries were not timed (``GroupResult.fallback``), a
+log line says how many, and a later start times them within its own budget.
+
+Sharing a family's choice rests on a measurement, not an assumption: on this project's AVX2 CPU
+(AMD EPYC, Zen 3), a choice taken from another group of the same family, judged on an
+independent tuning run's timings, cost 1.046x that run's fastest candidate; the group's own
+choice 1.043x, the untuned default 1.036x (the ranking there is flat and noisy: 308 comparisons
+over two full tables of the default model). CPUs with more forms (VNNI, AVX-512) have not been
+measured here: there a same-family choice is a measured guess for the same K and rows, the
+default an unmeasured one, and a later start replaces both with the shape's own timing.
+
+Why 60 seconds, and not a figure fitted to one CPU: the budget bounds what a user waits, once
+per machine and model shape (the table is cached; a later start finishes the rest), and is set
+beside what a first start costs anyway (converting a GGUF, compiling the extension: tens of
+seconds). It is a cap, not a target: the default 135M model's 70 shapes took 9-15 s of kernel
+calls (plus ~10 s of cache evictions) in three tables recorded on this project's 2-core machine,
+while a 0.5B model on a busy one took 4 min. Since the work is ordered by value, whatever the
+CPU's speed or load the budget buys the shapes a batch-1 decode and verify run first; a slower
+or busier CPU leaves more of the large batches to a later start.
+
+Cache: ``$SPECSERVE_CACHE_DIR/tune/<sha of CPU model, torch version, threads, model>.json``,
+and beside it every shape's timings (``shapes-<sha of the machine key>.json``: tune_table.py's
+``ShapeStore``), so a shape already timed on this machine, for any model or engine
+configuration, is read instead of timed (and spends none of the budget).
 """
 
 from __future__ import annotations
@@ -22,11 +52,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,10 +65,13 @@ from torch import nn
 from specserve.kernels import quant_ext
 from specserve.kernels.linear import DENSE_KERNELS, DenseLinear, RowPlan
 from specserve.kernels.quant import BlockQuantLinear
+from specserve.kernels.tune_table import FORMAT, GroupResult, ShapeStore, TuneTable
 
 log = logging.getLogger(__name__)
 
-_FORMAT = "3"  # 3: timed from memory when the weights exceed the last-level cache
+DEFAULT_BUDGET_S = 60.0  # seconds of timing per tuner; the module docstring says why
+# What a shape runs untuned, by kind: every CPU the kernels run on has AVX2.
+DEFAULT_CHOICE = {"block": "avx2/4", "dense": "linear"}
 
 
 def cpu_model() -> str:
@@ -81,70 +114,6 @@ def default_row_counts(k_max: int, max_num_seqs: int, max_batched: int) -> list[
     return sorted(c for c in counts if c <= min(max_batched, _MAX_TUNED_ROWS))
 
 
-def interpolate(points: dict[int, float], x: int) -> float:
-    """``points`` (count -> seconds) at ``x``: linear between the neighbours, the smallest
-    count's value below it, proportional to ``x`` above the largest."""
-    counts = sorted(points)
-    if x <= counts[0]:
-        return points[counts[0]]
-    if x >= counts[-1]:
-        return points[counts[-1]] * x / counts[-1]
-    hi = next(c for c in counts if c >= x)
-    lo = max(c for c in counts if c <= x)
-    if hi == lo:
-        return points[lo]
-    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
-
-
-@dataclass
-class GroupResult:
-    choice: dict[int, str] = field(default_factory=dict)  # rows -> candidate
-    seconds: dict[int, float] = field(default_factory=dict)  # rows -> chosen, all modules
-    timings: dict[int, dict[str, float]] = field(default_factory=dict)  # rows -> cand -> s/call
-
-
-@dataclass
-class TuneTable:
-    groups: dict[str, GroupResult] = field(default_factory=dict)
-
-    def projection_seconds(self, rows: int) -> float | None:
-        """Measured seconds of every tuned projection of one forward at ``rows`` rows: linear
-        between the measured counts around it, proportional beyond the largest (None when
-        nothing was measured). Taking the count below instead priced the rows between two
-        measured counts as free (9 rows as 8), so the policy saw extra verify rows at no cost
-        exactly where a batch of 8 decides whether to draft."""
-        if not self.groups:
-            return None
-        total = 0.0
-        for g in self.groups.values():
-            if not g.seconds:
-                return None
-            total += interpolate(g.seconds, rows)
-        return total
-
-    def to_json(self) -> dict:
-        return {
-            "format": _FORMAT,
-            "groups": {
-                k: {"choice": g.choice, "seconds": g.seconds, "timings": g.timings}
-                for k, g in self.groups.items()
-            },
-        }
-
-    @staticmethod
-    def from_json(data: dict) -> TuneTable:
-        if data.get("format") != _FORMAT:
-            raise ValueError("old tune table format")
-        table = TuneTable()
-        for k, g in data["groups"].items():
-            table.groups[k] = GroupResult(
-                {int(r): c for r, c in g["choice"].items()},
-                {int(r): s for r, s in g["seconds"].items()},
-                {int(r): t for r, t in g["timings"].items()},
-            )
-        return table
-
-
 def _signature(module: nn.Module) -> str | None:
     if isinstance(module, BlockQuantLinear):
         return f"block:{module.fmt}:{module.out_features}x{module.in_features}"
@@ -152,6 +121,30 @@ def _signature(module: nn.Module) -> str | None:
         n, k = module.weight.shape
         return f"dense:{str(module.weight.dtype).removeprefix('torch.')}:{n}x{k}"
     return None
+
+
+def form_family(sig: str) -> str:
+    """The group's kind, format or dtype and K (``block:q4_1:960x576`` -> ``block:q4_1:576``):
+    groups that differ only in N run the same candidates over the same inner loop."""
+    head, _, shape = sig.rpartition(":")
+    return f"{head}:{shape.partition('x')[2]}"
+
+
+def _group_size(sig: str) -> int:
+    n, _, k = sig.rpartition(":")[2].partition("x")
+    return int(n) * int(k)
+
+
+def work_order(groups: Iterable[str], row_counts: Iterable[int]) -> list[tuple[str, int]]:
+    """Every (group, rows) shape in the order the budget spends on them: the fewest rows first;
+    within a row count, the smallest group of each form family first (its choice then stands in
+    for its family if the budget ends), then the rest, smallest first."""
+    by_size = sorted(groups, key=lambda sig: (_group_size(sig), sig))
+    firsts: dict[str, str] = {}
+    for sig in by_size:
+        firsts.setdefault(form_family(sig), sig)
+    order = list(firsts.values()) + [sig for sig in by_size if sig not in firsts.values()]
+    return [(sig, rows) for rows in sorted(set(row_counts)) for sig in order]
 
 
 def model_groups(model: nn.Module) -> dict[str, list[nn.Module]]:
@@ -178,7 +171,7 @@ def _candidates(module: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], ob
 
 def time_candidates(
     runs: list[dict[str, Callable[[], object]]], repeats: int,
-    evict: Callable[[], object] | None = None,
+    evict: Callable[[], object] | None = None, clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Median seconds of one pass over ``runs`` (one dict of candidates per module), per
     candidate; candidates interleaved so drift on a shared machine hits them alike. ``evict``
@@ -192,10 +185,10 @@ def time_candidates(
         for n in names:
             if evict is not None:
                 evict()
-            t0 = time.perf_counter()
+            t0 = clock()
             for run in runs:
                 run[n]()
-            samples[n].append(time.perf_counter() - t0)
+            samples[n].append(clock() - t0)
     return {n: statistics.median(s) for n, s in samples.items()}
 
 
@@ -236,15 +229,32 @@ def cache_evictor(groups: dict[str, list[nn.Module]]) -> Callable[[], object] | 
 
 
 class KernelTuner:
+    """Times (or reads the cached table of) every projection group of a model at the row
+    counts its engine runs, within ``budget_s`` seconds of timing (None: no limit), and applies
+    the plan. ``clock`` is what the timings and the budget are read from."""
+
     def __init__(
         self, cache_dir: Path | None, model_key: str, *, repeats: int = 5,
         modules_per_group: int = 6, progress: bool = False,
+        budget_s: float | None = DEFAULT_BUDGET_S, clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.cache_dir = cache_dir
         self.model_key = model_key
         self.repeats = repeats
         self.modules_per_group = modules_per_group
         self.progress = progress
+        self.budget_s = budget_s
+        self.clock = clock
+
+    @staticmethod
+    def machine_key() -> str:
+        """What any timing here depends on besides the shape: the CPU, torch and its threads,
+        the candidates and the kernel build."""
+        return "|".join([
+            cpu_model(), torch.__version__, str(torch.get_num_threads()), FORMAT,
+            ",".join(DENSE_KERNELS), str(quant_ext.ROWS_PER_PASS),
+            ",".join(quant_ext.supported_isas()), quant_ext.build_key(),
+        ])
 
     def cache_path(
         self, groups: dict[str, list[nn.Module]], row_counts: Iterable[int]
@@ -254,17 +264,19 @@ class KernelTuner:
         if self.cache_dir is None:
             return None
         shapes = ",".join(f"{sig}*{len(mods)}" for sig, mods in sorted(groups.items()))
-        key = "|".join([
-            cpu_model(), torch.__version__, str(torch.get_num_threads()), self.model_key, shapes,
-            ",".join(map(str, row_counts)), _FORMAT,
-            ",".join(DENSE_KERNELS), str(quant_ext.ROWS_PER_PASS),
-            ",".join(quant_ext.supported_isas()),
-            quant_ext.build_key(),
-        ])
+        key = "|".join([self.machine_key(), self.model_key, shapes,
+                        ",".join(map(str, row_counts))])
         return self.cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
+    def store_path(self) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        digest = hashlib.sha256(self.machine_key().encode()).hexdigest()[:20]
+        return self.cache_dir / f"shapes-{digest}.json"
+
     def tune(self, model: nn.Module, row_counts: list[int]) -> TuneTable:
-        """Measures (or reads from the cache) and applies the plan to ``model``'s modules."""
+        """Measures (or reads from the cache, timing what an earlier budget left untimed) and
+        applies the plan to ``model``'s modules."""
         groups = model_groups(model)
         path = self.cache_path(groups, row_counts)
         table = None
@@ -276,9 +288,9 @@ class KernelTuner:
             except (ValueError, KeyError, json.JSONDecodeError):
                 table = None
             if table is not None:
-                log.info("kernel plan read from %s", path)
-        if table is None:
-            table = self.measure(groups, row_counts)
+                log.info("kernel plan read from %s (%d shapes untimed)", path, table.num_untimed)
+        if table is None or table.num_untimed:
+            table = self.measure(groups, row_counts, table)
             if path is not None:
                 try:
                     path.parent.mkdir(parents=True, exist_ok=True)
@@ -290,37 +302,115 @@ class KernelTuner:
         apply_plan(groups, table)
         return table
 
-    def measure(self, groups: dict[str, list[nn.Module]], row_counts: list[int]) -> TuneTable:
+    def measure(self, groups: dict[str, list[nn.Module]], row_counts: list[int],
+                table: TuneTable | None = None) -> TuneTable:
+        """Every shape ``table`` (default: a new one) has not timed, in ``work_order``: read
+        from the shape store when this machine timed it before, else timed until the budget is
+        spent; the rest fall back (``fill_untimed``)."""
         from tqdm import tqdm
 
-        table = TuneTable()
-        total = len(groups) * len(row_counts)
-        bar = tqdm(total=total, desc="tuning kernels", disable=not self.progress, unit="shape")
-        t0 = time.perf_counter()
+        table = table or TuneTable()
+        for sig in groups:
+            table.groups.setdefault(sig, GroupResult())
+        todo = [(sig, rows) for sig, rows in work_order(groups, row_counts)
+                if rows not in table.groups[sig].timings]
+        bar = tqdm(total=len(todo), desc=f"tuning kernels ({self.model_key})",
+                   disable=not self.progress, unit="shape")
+        start = self.clock()
         evict = cache_evictor(groups)
+        store = ShapeStore(self.store_path())
+        last: dict[str, tuple[int, float]] = {}  # group -> (rows, seconds) of its last shape
+        untimed: list[tuple[str, int]] = []
+        reused = 0
         with torch.inference_mode():
-            for sig, modules in groups.items():
-                result = GroupResult()
-                sample = modules[: self.modules_per_group]
-                k = sample[0].in_features  # type: ignore[union-attr]
-                dtype = torch.float32
-                if isinstance(sample[0], DenseLinear):
-                    dtype = sample[0].weight.dtype
-                for rows in row_counts:
-                    x = torch.randn(rows, k, dtype=dtype)
-                    runs = [_candidates(m, x) for m in sample]
-                    timings = time_candidates(runs, self.repeats, evict)
-                    best = min(timings, key=timings.__getitem__)
-                    per_call = {n: t / len(sample) for n, t in timings.items()}
-                    result.choice[rows] = best
-                    result.timings[rows] = per_call
-                    result.seconds[rows] = per_call[best] * len(modules)
+            for sig, rows in todo:
+                sampled = len(groups[sig][: self.modules_per_group])
+                key = ShapeStore.entry_key(sig, sampled, evict is not None, self.repeats)
+                per_call = store.get(key, rows)
+                if per_call is not None:
+                    record(table.groups[sig], rows, per_call, len(groups[sig]))
+                    reused += 1
                     bar.update(1)
-                table.groups[sig] = result
-                log.info("tuned %s: %s", sig, _summary(result))
+                    continue
+                left = math.inf if self.budget_s is None else \
+                    self.budget_s - (self.clock() - start)
+                # a shape costs about its rows times what the group's last one cost per row
+                guess = last[sig][1] * rows / last[sig][0] if sig in last else 0.0
+                if left <= 0 or guess > left:
+                    untimed.append((sig, rows))
+                    continue
+                bar.set_postfix_str(f"{sig} x{rows}" + (
+                    "" if self.budget_s is None else f", {left:.0f}s left"), refresh=False)
+                t0 = self.clock()
+                per_call = self._time_shape(groups[sig], rows, evict)
+                last[sig] = (rows, self.clock() - t0)
+                store.put(key, rows, per_call)
+                record(table.groups[sig], rows, per_call, len(groups[sig]))
+                bar.update(1)
+        store.save()
+        fill_untimed(table, untimed)
+        bar.set_postfix_str(f"{len(untimed)} untimed" if untimed else "done")
         bar.close()
-        log.info("kernel tuning took %.1fs", time.perf_counter() - t0)
+        elapsed = self.clock() - start
+        timed = len(todo) - len(untimed) - reused
+        for sig in groups:
+            log.info("tuned %s: %s", sig, _summary(table.groups[sig]))
+        if untimed:
+            shared = sum(not f.startswith("default") for g in table.groups.values()
+                         for f in g.fallback.values())
+            log.warning(
+                "kernel tuning (%s): timed %d of %d shapes in %.1fs, the %.0fs budget (%d read "
+                "from earlier timings); %d fell back untimed (%d to a same-family group's "
+                "choice, %d to the untuned defaults); a later start times them",
+                self.model_key, timed, len(todo), elapsed, self.budget_s, reused, len(untimed),
+                shared, len(untimed) - shared)
+        else:
+            log.info("kernel tuning (%s): timed %d shapes in %.1fs (%d read from earlier "
+                     "timings)", self.model_key, timed, elapsed, reused)
         return table
+
+    def _time_shape(self, modules: list[nn.Module], rows: int,
+                    evict: Callable[[], object] | None) -> dict[str, float]:
+        """Seconds per call of every candidate on ``rows`` rows, over up to
+        ``modules_per_group`` of the group's modules."""
+        sample = modules[: self.modules_per_group]
+        k = sample[0].in_features  # type: ignore[union-attr]
+        dtype = torch.float32
+        if isinstance(sample[0], DenseLinear):
+            dtype = sample[0].weight.dtype
+        x = torch.randn(rows, k, dtype=dtype)
+        runs = [_candidates(m, x) for m in sample]
+        timings = time_candidates(runs, self.repeats, evict, self.clock)
+        return {n: t / len(sample) for n, t in timings.items()}
+
+
+def record(result: GroupResult, rows: int, per_call: dict[str, float], modules: int) -> None:
+    """A timed shape into its group's result: the fastest candidate, and its seconds over all
+    ``modules`` of the group."""
+    best = min(per_call, key=per_call.__getitem__)
+    result.choice[rows] = best
+    result.timings[rows] = per_call
+    result.seconds[rows] = per_call[best] * modules
+    result.fallback.pop(rows, None)
+
+
+def fill_untimed(table: TuneTable, untimed: list[tuple[str, int]]) -> None:
+    """Gives each untimed (group, rows) the choice the smallest group of its form family timed
+    at those rows (the one ``work_order`` times first), else the untuned default; records where
+    it came from. No seconds are recorded for them: the projection interpolates between timed
+    counts."""
+    for sig, rows in untimed:
+        result = table.groups[sig]
+        family = form_family(sig)
+        donors = [other for other, g in table.groups.items() if other != sig
+                  and form_family(other) == family and rows in g.timings]
+        donor = min(donors, key=lambda d: (_group_size(d), d), default=None)
+        if donor is not None:
+            result.choice[rows] = table.groups[donor].choice[rows]
+            result.fallback[rows] = donor
+        else:
+            result.choice[rows] = DEFAULT_CHOICE[sig.partition(":")[0]]
+            result.fallback[rows] = "default"
 
 
 def _summary(result: GroupResult) -> str:
@@ -332,15 +422,11 @@ def apply_plan(groups: dict[str, list[nn.Module]], table: TuneTable) -> None:
         result = table.groups.get(sig)
         if result is None:
             continue
-        if sig.startswith("block:"):
-            plan = RowPlan("avx2/4")
-            for rows, name in result.choice.items():
-                plan.set(rows, name)
-            for m in modules:
+        plan = RowPlan(DEFAULT_CHOICE[sig.partition(":")[0]])
+        for rows, name in result.choice.items():
+            plan.set(rows, name)
+        for m in modules:
+            if sig.startswith("block:"):
                 m.rows_plan = plan  # type: ignore[union-attr]
-        else:
-            plan = RowPlan("linear")
-            for rows, name in result.choice.items():
-                plan.set(rows, name)
-            for m in modules:
+            else:
                 m.plan = plan  # type: ignore[union-attr]

@@ -14,11 +14,7 @@ from specserve.draft.ngram import NgramProposer, find_ngram_match
 from specserve.draft.suffix import SuffixProposer
 from specserve.spec.acceptance_model import AcceptanceModel, DraftHints, expected_by_k
 from specserve.spec.policy import Candidate
-from tests.test_spec_decode import check_greedy, make, models
-from tests.test_spec_policy import policy_with_step_cost
-from tests.test_suffix_engine import copy_prompt
-
-__all__ = ["models"]  # the module-scoped fixture of test_spec_decode
+from tests.helpers.speculation import check_greedy, copy_prompt, make, policy_with_step_cost
 
 
 def _simulate(model: AcceptanceModel, hazard, rng: random.Random, drafts: int,

@@ -17,16 +17,11 @@ import pytest
 
 from specserve.engine.text_sources import TextSources
 from specserve.server.server_config import ServerConfig
-from tests.test_server import (  # noqa: F401  (model_dir is a fixture)
-    KEY,
-    ServerThread,
-    engine_config,
-    model_dir,
-)
+from tests.helpers.servers import KEY, ServerThread, engine_config
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811
+def server(model_dir):
     srv = ServerThread(
         engine_config(model_dir, draft_model=model_dir, speculative_method="draft",
                       adaptive_speculation=False, num_speculative_tokens=3),
@@ -70,6 +65,7 @@ def _check_stream(events: list[dict]) -> tuple[int, str]:
     return flagged, text
 
 
+@pytest.mark.e2e
 def test_flags_match_timings_draft_vs_plain(server):
     body = {"kind": "completion", "prompt": "The river bends", "max_tokens": 40,
             "temperature": 0, "ignore_eos": True}
@@ -89,6 +85,7 @@ def test_flags_match_timings_draft_vs_plain(server):
     assert not any(f for e in events["plain"][:-1] for _, f in e["text_spans"])
 
 
+@pytest.mark.e2e
 def test_spans_survive_a_stop_string(server):
     # Take a stop string from the middle of the plain greedy text: the output is cut inside a
     # verify step's accepted run, and the spans must still cover exactly the text kept.
@@ -106,6 +103,7 @@ def test_spans_survive_a_stop_string(server):
     assert flagged <= done["timings"]["num_accepted"]
 
 
+@pytest.mark.e2e
 def test_key_as_websocket_subprotocol(server):
     """Browsers cannot set headers on a WebSocket: the key rides as a subprotocol."""
     body = {"kind": "completion", "prompt": "Hi", "max_tokens": 3, "temperature": 0}
@@ -124,6 +122,7 @@ def test_key_as_websocket_subprotocol(server):
     assert asyncio.run(wrong()) == 401
 
 
+@pytest.mark.e2e
 def test_playground_routes(server):
     import urllib.error
     import urllib.request

@@ -20,18 +20,13 @@ import pytest
 from openapi_spec_validator import validate
 
 from specserve.server.server_config import ServerConfig
-from tests.test_server import (  # noqa: F401  (model_dir is a fixture)
-    KEY,
-    NAME,
-    ServerThread,
-    engine_config,
-    http,
-    model_dir,
-)
+from tests.helpers.servers import HANG_S, KEY, NAME, ServerThread, engine_config, http
+
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811
+def server(model_dir):
     srv = ServerThread(engine_config(model_dir, speculative_method="ngram"),
                        ServerConfig(port=0, api_key=KEY, served_model_name=NAME))
     yield srv
@@ -115,7 +110,7 @@ def test_openapi_document_is_valid_and_real_traffic_conforms(server):
         _schema(doc, "ChatChunk").validate(json.loads(event))
 
 
-def test_schemathesis_quick_run(model_dir, tmp_path):  # noqa: F811
+def test_schemathesis_quick_run(model_dir, tmp_path):
     """schemathesis fuzzes every operation (examples, coverage and fuzzing phases, bounded by
     --max-examples) against a server without an API key."""
     srv = ServerThread(engine_config(model_dir, speculative_method="ngram"),
@@ -128,14 +123,15 @@ def test_schemathesis_quick_run(model_dir, tmp_path):  # noqa: F811
                "--request-timeout", "60", "--no-color", "--generation-database", "none",
                "--suppress-health-check", "all", "--report", "json",
                "--report-json-path", str(tmp_path / "report.json")]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=6 * HANG_S,
+                             cwd=tmp_path)  # only a hang stops it
         assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
         report = json.loads((tmp_path / "report.json").read_text())
         ops = report["operations"]
         assert ops["tested"] == ops["total"] >= 5 and not ops["errored"], ops
         assert report["test_cases"]["generated"] >= 100 and not report["failures"]
         # Afterwards: alive, nothing in flight, every KV block back in the pool.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S  # only a hang ends the wait
         while True:
             status, h = http("GET", srv.url + "/health", key=None)
             if h["num_in_flight"] == 0 or time.monotonic() > deadline:

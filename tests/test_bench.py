@@ -23,24 +23,17 @@ from benchmarks import backends, offline, report, stats, sweep
 from benchmarks.__main__ import main as bench_main
 from benchmarks.attribution import attribute
 from specserve.engine.tracing import NullTracer, SpanEvent, Tracer
-from tests.test_server import ServerThread, build_tiny, engine_config
+from tests.helpers.servers import ServerThread, engine_config
 
 ENGINE_FLAGS = ["--num-kv-blocks", "1024", "--block-size", "4", "--max-model-len", "512",
                 "--num-threads", "1", "--no-adaptive-speculation"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("bench_tiny"))
-    build_tiny(path)
-    return path
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+def tiny(model_dir) -> str:
+    """The server tests' tiny model (tests/fixtures/models.py); torch's thread count that the
+    benches set is restored after each test (tests/conftest.py)."""
+    return model_dir
 
 
 def _load(path) -> dict:
@@ -193,6 +186,7 @@ def live(tiny):
     srv.stop()
 
 
+@pytest.mark.e2e
 def test_sweep_against_live_server(live, tmp_path):
     out = tmp_path / "sweep"
     rc = bench_main(["sweep", "--url", live.url, "--modes", "auto",  # the probe finds the draft
@@ -229,6 +223,7 @@ def test_sweep_against_live_server(live, tmp_path):
         assert (out / name).stat().st_size > 0
 
 
+@pytest.mark.e2e
 def test_sweep_errors_make_the_exit_code_nonzero(live, tmp_path):
     out = tmp_path / "errors"
     # 5000 tokens do not fit the 256-token context: every request is refused with a 400.

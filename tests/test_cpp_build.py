@@ -7,6 +7,8 @@ import pytest
 
 from specserve.kernels import cpp_build
 
+pytestmark = pytest.mark.slow  # a real compile, tens of seconds on 2 cores
+
 SOURCE = """#include <torch/extension.h>
 int two() { return 2; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("two", &two); }

@@ -130,6 +130,7 @@ def test_key_segments_fold_to_the_same_bits_in_any_call(window, form):
     _assert_each_row_equals_its_decode(backend, case, batch, 0.2)
 
 
+@pytest.mark.slow
 def test_attention_form_is_measured_once_and_cached(tmp_path, monkeypatch):
     """Tuning off: AVX2, no timing. On: a form this CPU runs, written to the cache; a second
     engine start reads it back without timing (so restarts keep the same form and bits)."""

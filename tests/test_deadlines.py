@@ -20,22 +20,13 @@ import pytest
 
 from specserve.server.app import APP_KEY
 from specserve.server.server_config import ServerConfig
-from tests.test_server import (  # noqa: F401  (model_dir / offline are fixtures)
-    NAME,
-    PROMPTS,
-    ServerThread,
-    engine_config,
-    http,
-    model_dir,
-    offline,
-    reference,
-)
+from tests.helpers.servers import NAME, PROMPTS, ServerThread, engine_config, http, reference
 
 LONG = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811
+def server(model_dir):
     srv = ServerThread(engine_config(model_dir, speculative_method="ngram"),
                        ServerConfig(port=0, served_model_name=NAME))
     yield srv
@@ -104,6 +95,7 @@ class _MidStream:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200,
                               "ignore_eos": True}),
 ])
+@pytest.mark.e2e
 def test_tiny_timeout_is_a_408_and_frees_blocks(server, path, body):
     before = _timeouts(server)
     status, resp = http("POST", server.url + path, {**body, "timeout": 1e-6})
@@ -115,6 +107,7 @@ def test_tiny_timeout_is_a_408_and_frees_blocks(server, path, body):
     assert _timeouts(server) == before + 1
 
 
+@pytest.mark.e2e
 def test_streaming_deadline_ends_with_abort_then_an_error_event(server):
     before = _timeouts(server)
 
@@ -145,6 +138,7 @@ def test_streaming_deadline_ends_with_abort_then_an_error_event(server):
     assert 'specserve_sequences_finished_total{finish_reason="abort"}' in metrics
 
 
+@pytest.mark.e2e
 def test_websocket_deadline_ends_with_one_error_and_no_done(server):
     before = _timeouts(server)
 
@@ -175,12 +169,14 @@ def test_websocket_deadline_ends_with_one_error_and_no_done(server):
 
 
 @pytest.mark.parametrize("value", [0, -1, "soon", 1e7])
+@pytest.mark.e2e
 def test_timeout_field_is_validated(server, value):
     status, resp = http("POST", server.url + "/v1/completions", {**LONG, "timeout": value})
     assert status == 400 and resp["error"]["param"] == "timeout", resp
 
 
-def test_server_request_timeout_and_the_field_overrides_it(model_dir, offline):  # noqa: F811
+@pytest.mark.e2e
+def test_server_request_timeout_and_the_field_overrides_it(model_dir, offline):
     srv = ServerThread(engine_config(model_dir), ServerConfig(port=0, served_model_name=NAME,
                                                               request_timeout=1e-6))
     try:

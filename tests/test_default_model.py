@@ -58,6 +58,7 @@ def assert_greedy_matches(hf_model, prompts, outs, n: int) -> None:
         assert len(out.token_ids) == len(ref_ids)
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_on_default_model(engine, hf_model):
     prompts = [chat_ids(engine, q) for q in QUESTIONS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
@@ -67,6 +68,7 @@ def test_greedy_matches_transformers_on_default_model(engine, hf_model):
     assert "Paris" in outs[0].text
 
 
+@pytest.mark.slow
 def test_shipped_draft_is_the_default_and_output_stays_exact(engine, hf_model):
     """With no flags the built-in model loads the shipped distilled draft and speculates with
     auto (suffix decoding or that draft); greedy output with the draft is still transformers'
@@ -94,6 +96,7 @@ def test_shipped_draft_is_the_default_and_output_stays_exact(engine, hf_model):
     assert off.config.draft_model is None and off.config.default_speculative_method == "auto"
 
 
+@pytest.mark.slow
 def test_stop_string_cuts_text_exactly(engine):
     prompt = chat_ids(engine, QUESTIONS[2])
     full = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
@@ -107,6 +110,7 @@ def test_stop_string_cuts_text_exactly(engine):
     assert len(cut.token_ids) < len(full.token_ids)
 
 
+@pytest.mark.slow
 def test_streamed_deltas_never_leak_a_stop_string(engine):
     prompt = chat_ids(engine, QUESTIONS[0])
     full = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0))[0].text
@@ -121,6 +125,7 @@ def test_streamed_deltas_never_leak_a_stop_string(engine):
     assert streamed == full[: full.index(stop)]
 
 
+@pytest.mark.slow
 def test_max_tokens_gives_length(engine):
     out = engine.generate(["Once upon a time"], SamplingParams(max_tokens=5, temperature=0))[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
@@ -129,6 +134,7 @@ def test_max_tokens_gives_length(engine):
 @pytest.mark.parametrize(
     "text", ["naïve café 東京 🚀 emoji 👩‍👩‍👧 end", "数学の問題: ∑ x² = ∞ ✓", "plain ascii"]
 )
+@pytest.mark.slow
 def test_incremental_detokenizer_is_utf8_safe(engine, text):
     tok = engine.tokenizer
     ids = tok.encode(text, add_special_tokens=False)
@@ -146,10 +152,22 @@ def test_find_stop_spanning_steps():
     assert match is not None and match.text_end == 6
 
 
+CLI_HANG_S = 1800  # a CLI run that has not ended by then hangs, however busy the machine
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "specserve", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "specserve", *args], capture_output=True, text=True,
+        timeout=CLI_HANG_S,
     )
+
+
+@pytest.fixture(scope="module")
+def first_start_done() -> None:
+    """A first start with the CLI's defaults (the GGUF converted, the shipped draft loaded, the
+    kernels tuned and the attention form chosen, all into this run's cache), done in-process
+    before the CLI runs, so the CLI starts warm and its timeout only catches a hang."""
+    LLMEngine(EngineConfig())
 
 
 @pytest.mark.parametrize(
@@ -161,6 +179,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["generate", "--block-size", "0", "hi"], "block-size must be >= 1"),
     ],
 )
+@pytest.mark.e2e
 def test_cli_errors_are_one_line(args, needle):
     proc = run_cli(*args)
     assert proc.returncode == 2
@@ -168,7 +187,9 @@ def test_cli_errors_are_one_line(args, needle):
     assert "Traceback" not in proc.stderr
 
 
-def test_cli_generate_default_model():
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_cli_generate_default_model(first_start_done):
     proc = run_cli("generate", "--chat", "What is 2+2?", "--max-tokens", "12")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
@@ -189,6 +210,7 @@ def ngram_engine() -> LLMEngine:
                                   speculative_method="ngram", adaptive_speculation=False))
 
 
+@pytest.mark.slow
 def test_ngram_speculation_is_exact_on_default_model(engine, ngram_engine):
     prompts = [chat_ids(engine, REWRITE), chat_ids(engine, QUESTIONS[2])]
     params = SamplingParams(max_tokens=48, temperature=0.0)
@@ -201,6 +223,7 @@ def test_ngram_speculation_is_exact_on_default_model(engine, ngram_engine):
     assert t.mean_accepted_length > 1.0
 
 
+@pytest.mark.slow
 def test_ngram_stop_string_identical_to_plain(engine, ngram_engine):
     prompt = chat_ids(engine, REWRITE)
     full = engine.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0))[0]

@@ -16,14 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve.engine.async_engine import EngineStats
 from specserve.server.metrics import ServerMetrics
 from specserve.server.server_config import ServerConfig
-from tests.test_server import (  # noqa: F401  (model_dir is a fixture)
-    GOOD,
-    NAME,
-    ServerThread,
-    engine_config,
-    http,
-    model_dir,
-)
+from tests.helpers.servers import GOOD, NAME, ServerThread, engine_config, http
 
 MANIFESTS = sorted((Path(__file__).parent.parent / "deploy" / "k8s").glob("*.yaml"))
 
@@ -59,12 +52,13 @@ def test_manifests_probe_health_on_the_served_port():
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811
+def server(model_dir):
     srv = ServerThread(engine_config(model_dir), ServerConfig(port=0, served_model_name=NAME))
     yield srv
     srv.stop()
 
 
+@pytest.mark.e2e
 def test_metrics_carry_the_gateway_gauges(server):
     assert http("POST", server.url + "/v1/completions", GOOD, key=None)[0] == 200
     status, text = http("GET", server.url + "/metrics", key=None)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from specserve.cli import main as cli_main
 from specserve.core.errors import ModelLoadError
@@ -21,14 +20,15 @@ from specserve.distill.student import StudentSpec, build_student, choose_head_vo
 from specserve.distill.train import TrainConfig, evaluate, head_lookup, make_batches
 from specserve.engine.llm_engine import LLMEngine
 from specserve.target.loader import load_weights
-from tests.test_engine import BASE, build_model_dir, hf_greedy
-from tests.test_spec_decode import chi_square, exact_second_token_distribution, make
+from tests.helpers.reference import chi_square, exact_second_token_distribution, hf_greedy
+from tests.helpers.speculation import make
+from tests.helpers.tiny_models import BASE, build_tiny_model, tiny_config
 
 
 @pytest.fixture(scope="module")
 def text_target(text_model):
-    """test_spec_decode's tiny random Llama with the default model's tokenizer (and its chat
-    template), plus the same weights in transformers for reference outputs."""
+    """The tiny random Llama with the default model's tokenizer (and its chat template), plus
+    the same weights in transformers for reference outputs."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(text_model).float().eval()
@@ -58,6 +58,7 @@ def tiny_distill(target: Path, out: Path, prompts: Path, **train_kw) -> Path | N
     ))
 
 
+@pytest.mark.slow
 def test_distill_lowers_kl_and_writes_a_draft_that_loads(text_target, tmp_path):
     target, hf, _ = text_target
     prompts = write_prompts(tmp_path / "prompts.json")
@@ -166,6 +167,7 @@ def test_paired_speedup_is_tokens_per_second_of_runs_timed_back_to_back():
         paired_speedup(runner(1.0, 64), lambda: [], clock)
 
 
+@pytest.mark.slow
 def test_interrupted_training_resumes_to_the_same_weights(text_target, tmp_path):
     target, _, _ = text_target
     prompts = write_prompts(tmp_path / "prompts.json")
@@ -189,7 +191,7 @@ def test_interrupted_training_resumes_to_the_same_weights(text_target, tmp_path)
 @pytest.fixture(scope="module")
 def small_vocab_target(tmp_path_factory):
     path = tmp_path_factory.mktemp("small_vocab_target")
-    hf = build_model_dir(LlamaConfig(**{**BASE, "max_position_embeddings": 512}), path)
+    hf = build_tiny_model(path, tiny_config(max_position_embeddings=512))
     return path, hf
 
 
@@ -203,6 +205,7 @@ def reduced_head_draft(target: Path, out: Path, head_size: int) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_reduced_head_draft_keeps_sampling_exact(small_vocab_target, tmp_path):
     """The draft never proposes tokens outside its head (q = 0 there); the residual
     distribution must still give the target's exact marginal for the verified token."""

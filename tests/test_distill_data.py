@@ -20,8 +20,8 @@ from specserve.distill.data import (
     generate_teacher_data,
     load_prompts,
 )
-from tests.test_engine import hf_greedy
-from tests.test_spec_decode import make
+from tests.helpers.reference import hf_greedy
+from tests.helpers.speculation import make
 
 CONVS = [
     Conversation("a", "chat", "train", ("Tell me about owls.", "Make it shorter.")),
@@ -123,6 +123,7 @@ def test_logprob_shards_keep_the_distribution_of_each_token(target, tmp_path):
         mixed.extend(TeacherData([torch.tensor([1, 2], dtype=torch.int32)], [1], ["x"]))
 
 
+@pytest.mark.slow
 def test_corpus_is_large_multi_turn_and_disjoint_from_held_out():
     train = corpus.build_train_corpus(max_turns=3)
     heldout = corpus.heldout_conversations(load_prompts(split="heldout"), max_turns=3)
@@ -139,6 +140,7 @@ def test_corpus_is_large_multi_turn_and_disjoint_from_held_out():
     assert corpus.build_train_corpus(max_turns=3)[:50] == train[:50]  # deterministic
 
 
+@pytest.mark.slow
 def test_cli_data_only_writes_tokens_only_shards_and_a_speed_log(text_model, tmp_path):
     prompts = tmp_path / "prompts.json"
     items = [Prompt(f"p{i}", "chat", "heldout" if i >= 3 else "train", f"Say hi {i}.")

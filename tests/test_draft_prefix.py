@@ -10,8 +10,8 @@ transformers' greedy generate on the same weights.
 from __future__ import annotations
 
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams
-from tests.test_engine import prompts
-from tests.test_spec_decode import check_greedy, make, models  # noqa: F401 (fixture)
+from tests.helpers.reference import prompts
+from tests.helpers.speculation import check_greedy, make
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PLAIN = SpeculativeParams(method="off")
@@ -36,7 +36,7 @@ def all_accepted(outs) -> bool:
                for o in outs)
 
 
-def test_hit_reuses_draft_kv_only_where_the_draft_wrote_it(models):  # noqa: F811
+def test_hit_reuses_draft_kv_only_where_the_draft_wrote_it(models):
     target, _, hf = models
     engine = make(target, draft_model=target)
     prompt = prompts([41], seed=21)  # 10 full blocks of 4 can hit, 1 token left to run
@@ -59,7 +59,7 @@ def test_hit_reuses_draft_kv_only_where_the_draft_wrote_it(models):  # noqa: F81
     assert [o.token_ids for o in second] == [o.token_ids for o in first]
 
 
-def test_draft_catch_up_is_bounded_by_the_token_budget(models):  # noqa: F811
+def test_draft_catch_up_is_bounded_by_the_token_budget(models):
     target, _, hf = models
     budget = 9
     engine = make(target, draft_model=target, max_num_batched_tokens=budget)

@@ -13,7 +13,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from specserve.core.config import EngineConfig
 from specserve.core.errors import ConfigError
@@ -28,10 +27,14 @@ from specserve.kernels.metadata import AttentionMetadata, token_positions
 from specserve.kernels.registry import get_attention_backend
 from specserve.target.loader import load_weights
 from specserve.target.model import FeatureCapture
-from tests.test_engine import BASE, build_model_dir, hf_greedy, prompts
-from tests.test_spec_decode import chi_square, exact_second_token_distribution
+from tests.helpers.reference import (
+    chi_square,
+    exact_second_token_distribution,
+    hf_greedy,
+    prompts,
+)
+from tests.helpers.tiny_models import BASE, build_tiny_model, tiny_config
 
-LONG = {**BASE, "max_position_embeddings": 512}
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
@@ -40,7 +43,7 @@ def target(tmp_path_factory):
     """A tiny 4-layer target (so low, middle and high layers differ) and a head for it whose
     weights are the initialization plus noise (it drafts, and is often wrong)."""
     path = tmp_path_factory.mktemp("eagle_target")
-    hf = build_model_dir(LlamaConfig(**{**LONG, "num_hidden_layers": 4}), path)
+    hf = build_tiny_model(path, tiny_config(max_position_embeddings=512, num_hidden_layers=4))
     head_dir = tmp_path_factory.mktemp("eagle_head")
     head = noisy_head(path)
     save_head(head, load_weights(path)[0], head_dir, {"target": "tiny"})
@@ -182,6 +185,7 @@ def test_prefix_hits_from_plain_requests_do_not_starve_the_head_of_features(targ
     assert bm.prefix_hits > hits_before and again.token_ids == cold.token_ids
 
 
+@pytest.mark.slow
 def test_sampled_distribution_equals_target_with_eagle(target):
     """The second token comes out of a k = 1 verify step: its distribution must equal the
     target's exact float64 marginal."""
@@ -215,6 +219,7 @@ def teacher_data(path, n: int, plen: int, new: int, seed: int) -> TeacherData:
                        prompt_lens=[plen] * n, ids=[str(i) for i in range(n)])
 
 
+@pytest.mark.slow
 def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
     """A one-layer target: a head that ignores its feature and copies the target's layer is an
     exact imitation, reachable by training. The head starts from a noisy copy (and an unused
@@ -223,7 +228,7 @@ def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
     trained on it must get what the trainer's held-out estimate says (the small data set
     generalizes only partly; that is training quality, not plumbing)."""
     path = tmp_path / "target"
-    hf = build_model_dir(LlamaConfig(**{**LONG, "num_hidden_layers": 1}), path)
+    hf = build_tiny_model(path, tiny_config(max_position_embeddings=512, num_hidden_layers=1))
     with torch.no_grad():  # a peaked target distribution: clear margins to learn
         hf.lm_head.weight.mul_(4)
     hf.save_pretrained(path)
@@ -261,6 +266,7 @@ def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
     assert abs(tokens_per_verify(prompts([8] * 16, seed=4)) - after.tokens_per_verify) < 0.4
 
 
+@pytest.mark.slow
 def test_cli_trains_from_tokens_only_shards_resumes_and_evaluates(text_model, tmp_path):
     from specserve.distill.cli import add_distill_parser, cmd_distill
 

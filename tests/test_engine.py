@@ -1,7 +1,7 @@
 """LLMEngine end to end against transformers' own generate() on the same weights (float32).
 
-Tiny random Llama / Mistral / Qwen2 / Qwen3 models are built here and saved with
-save_pretrained; our engine loads them from disk like any user model. Every test compares token
+Tiny random Llama / Mistral / Qwen2 / Qwen3 models (tests/helpers/tiny_models.py) are saved
+with save_pretrained; our engine loads them from disk like any user model. Every test compares token
 ids with transformers' greedy generate() run one prompt at a time: continuous batching, chunked
 prefill, prefix-cache hits and preemption must not change a single token.
 """
@@ -9,56 +9,27 @@ prefill, prefix-cache hits and preemption must not change a single token.
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from specserve.core.config import EngineConfig
 from specserve.core.errors import ConfigError, InvalidRequestError
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.llm_engine import LLMEngine
+from tests.helpers.reference import hf_greedy, prompts
+from tests.helpers.tiny_models import build_tiny_model, tiny_config
 
-BASE = dict(
-    vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    bos_token_id=1, eos_token_id=2,
-)
 ARCHS = {
-    "llama": lambda: LlamaConfig(**BASE),
-    "mistral": lambda: MistralConfig(**BASE, sliding_window=12),
-    "qwen2": lambda: Qwen2Config(**BASE),
-    "qwen3": lambda: Qwen3Config(**BASE, head_dim=16, tie_word_embeddings=True),
+    "llama": lambda: tiny_config("llama"),
+    "mistral": lambda: tiny_config("mistral", sliding_window=12),
+    "qwen2": lambda: tiny_config("qwen2"),
+    "qwen3": lambda: tiny_config("qwen3", head_dim=16, tie_word_embeddings=True),
 }
 PROMPT_LENS = [3, 11, 29, 50]
-
-
-def build_model_dir(config, path):
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():  # larger weights than the default init: clear argmax margins
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.12 if p.dim() > 1 else 0.3)
-    model.save_pretrained(path)
-    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def prompts(lengths, seed=0, vocab=300):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    return str(path), build_model_dir(ARCHS[request.param](), path)
+    return str(path), build_tiny_model(path, ARCHS[request.param]())
 
 
 def engine_for(path, **kw) -> LLMEngine:

@@ -14,22 +14,24 @@ import threading
 import time
 
 import aiohttp
+import pytest
 
 from specserve.server.server_config import ServerConfig
-from tests.test_server import (  # noqa: F401  (model_dir / offline are fixtures)
+from tests.helpers.servers import (
+    HANG_S,
     NAME,
     PROMPTS,
     ServerThread,
     engine_config,
     http,
-    model_dir,
-    offline,
     reference,
     wait_healthy,
 )
 
+pytestmark = pytest.mark.e2e
 
-def test_forward_exception_fails_that_step_and_serving_goes_on(model_dir, offline):  # noqa: F811
+
+def test_forward_exception_fails_that_step_and_serving_goes_on(model_dir, offline):
     srv = ServerThread(engine_config(model_dir, speculative_method="ngram"),
                        ServerConfig(port=0, served_model_name=NAME))
     runner = srv.engine.engine.runner
@@ -76,7 +78,7 @@ def test_forward_exception_fails_that_step_and_serving_goes_on(model_dir, offlin
         assert status == 500 and plain_body["error"]["type"] == "internal_error"
         assert "specserve_engine_step_failures_total 1.0" in metrics
         # Blocks freed, nothing in flight, and the next requests are served exactly.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S  # only a hang ends the wait
         while (h := http("GET", srv.url + "/health")[1])["num_in_flight"] and \
                 time.monotonic() < deadline:
             time.sleep(0.05)
@@ -95,6 +97,11 @@ _DYING_SERVER = """
 import sys
 from specserve import cli
 from specserve.engine.llm_engine import LLMEngine
+from specserve.server import app
+
+# The test reads /health between the engine's death and the exit: a grace of 1 s, which a
+# client stalled on a loaded machine can miss; 10 s only a hang misses.
+app._exit_when_engine_dies.__defaults__ = (10.0,)
 
 class EngineThreadDeath(BaseException):  # not an Exception: nothing on the way catches it
     pass
@@ -112,7 +119,7 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def test_dead_engine_thread_fails_streams_and_the_process_exits_1(model_dir, tmp_path):  # noqa: F811
+def test_dead_engine_thread_fails_streams_and_the_process_exits_1(model_dir, tmp_path):
     import os
     import socket
     import subprocess
@@ -142,13 +149,13 @@ def test_dead_engine_thread_fails_streams_and_the_process_exits_1(model_dir, tmp
                     async for line in r.content:
                         if line.startswith(b"data: "):
                             events.append(line[6:].strip().decode())
-                async with s.get(url + "/health") as h:  # within the 1 s grace
+                async with s.get(url + "/health") as h:  # within the grace
                     return h.status, (await h.json())["status"]
 
         health = asyncio.run(run())
         assert events[-1] == "[DONE]" and "engine failed" in events[-2], events[-3:]
         assert health == (503, "failed")
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=HANG_S)
         assert proc.returncode == 1, err.decode()[-2000:]
     finally:
         if proc.poll() is None:
@@ -216,7 +223,7 @@ async def _websocket(s: aiohttp.ClientSession, url: str,
     return seen
 
 
-def test_mixed_traffic_with_faults_loses_and_duplicates_no_request(model_dir, offline):  # noqa: F811
+def test_mixed_traffic_with_faults_loses_and_duplicates_no_request(model_dir, offline):
     """Step faults injected while REST (streaming or not) and WebSocket requests run, mixed with
     bad bodies, past-deadline requests and cancels: every id the clients generated gets exactly
     one terminal outcome, the REST answers carry their own id back, completed greedy answers are
@@ -309,7 +316,7 @@ def test_mixed_traffic_with_faults_loses_and_duplicates_no_request(model_dir, of
         assert _metric(metrics, "specserve_request_timeouts_total") == \
             sum(k == "timeout" for k in kinds.values())
         # Afterwards: nothing in flight, every KV block free.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S  # only a hang ends the wait
         while (h := http("GET", srv.url + "/health")[1])["num_in_flight"] and \
                 time.monotonic() < deadline:
             time.sleep(0.05)

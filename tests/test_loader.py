@@ -8,21 +8,18 @@ from __future__ import annotations
 import json
 import os
 
-import gguf
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from specserve.core.errors import ModelLoadError, UnsupportedArchitectureError
 from specserve.engine.models import load_tokenizer, resolve_model_path
 from specserve.target.config import ModelConfig
 from specserve.target.loader import build_model, gguf_cache_dir, load_weights
+from tests.helpers.tiny_models import GGUF_VOCAB_SIZE, HF_INIT, build_tiny_model, tiny_config
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CONFIG = dict(
-    vocab_size=len(SPECIALS) + 256 + 1, hidden_size=64, intermediate_size=96,
+    vocab_size=GGUF_VOCAB_SIZE, hidden_size=64, intermediate_size=96,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
 )
@@ -70,9 +67,7 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_missing_and_unexpected_weights(tmp_path):
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
-    hf.save_pretrained(tmp_path)
+    build_tiny_model(tmp_path, tiny_config(**CONFIG), init=HF_INIT)
     hf_config, state_dict = load_weights(tmp_path)
     del state_dict["model.layers.1.self_attn.k_proj.weight"]
     state_dict["model.layers.0.extra.weight"] = torch.zeros(1)
@@ -85,9 +80,7 @@ def test_missing_and_unexpected_weights(tmp_path):
 
 
 def test_sharded_folder_and_generation_eos(tmp_path):
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
-    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    hf = build_tiny_model(tmp_path, tiny_config(**CONFIG), init=HF_INIT, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     _, state_dict = load_weights(tmp_path)
@@ -99,62 +92,10 @@ def test_sharded_folder_and_generation_eos(tmp_path):
 # ---- GGUF -----------------------------------------------------------------------------------
 
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half pairs -> interleaved pairs."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
-    )
-
-
 def _write_tiny_gguf(path, tied: bool = False) -> dict[str, torch.Tensor]:
     """Writes a 2-layer Llama as llama.cpp's converter would; returns its HF state dict."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**CONFIG, tie_word_embeddings=tied)
-    hf_state = AutoModelForCausalLM.from_config(cfg).state_dict()
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    # Byte-level BPE: 3 specials, the 256 byte symbols, one merge ("Ġ" + "t").
-    symbols = list(bytes_to_unicode().values())
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(SPECIALS + symbols + ["Ġt"])
-    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * 257)
-    w.add_token_merges(["Ġ t"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}")
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj":
-             "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm"}
-    w.add_tensor("token_embd.weight", hf_state["model.embed_tokens.weight"].numpy())
-    for i in range(cfg.num_hidden_layers):
-        for hf_name, gguf_name in names.items():
-            t = hf_state[f"model.layers.{i}.{hf_name}.weight"].numpy()
-            if gguf_name == "attn_q":
-                t = _llama_cpp_permute(t, cfg.num_attention_heads)
-            elif gguf_name == "attn_k":
-                t = _llama_cpp_permute(t, cfg.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{gguf_name}.weight", np.ascontiguousarray(t))
-    w.add_tensor("output_norm.weight", hf_state["model.norm.weight"].numpy())
-    if not tied:
-        w.add_tensor("output.weight", hf_state["lm_head.weight"].numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return hf_state
+    cfg = tiny_config(**CONFIG, tie_word_embeddings=tied)
+    return build_tiny_model(path, cfg, init=HF_INIT, fmt="gguf").state_dict()
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -6,18 +6,18 @@ proof of the rule is in test_scheduler.py; this runs it through the whole engine
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig
 
 from specserve.core.config import EngineConfig
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.llm_engine import LLMEngine
-from tests.test_engine import BASE, build_model_dir, hf_greedy, prompts
+from tests.helpers.reference import hf_greedy, prompts
+from tests.helpers.tiny_models import build_tiny_model, tiny_config
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("pressure")
-    return str(path), build_model_dir(LlamaConfig(**BASE), path)
+    return str(path), build_tiny_model(path, tiny_config())
 
 
 def test_tiny_pool_drops_drafts_instead_of_preempting(model):

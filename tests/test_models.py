@@ -9,12 +9,13 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from specserve.kernels.metadata import AttentionMetadata
 from specserve.kernels.registry import get_attention_backend
 from specserve.target.loader import build_model, load_weights
 from specserve.target.model_runner import ModelRunner
+from tests.helpers.tiny_models import SHARP, build_tiny_model, tiny_config
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -31,39 +32,25 @@ def _llama3_rope() -> dict:
 
 
 CASES = {
-    "llama": lambda: LlamaConfig(**BASE),
-    "llama_tied_llama3": lambda: LlamaConfig(
-        **BASE, tie_word_embeddings=True, rope_parameters=_llama3_rope()
+    "llama": lambda: tiny_config("llama", **BASE),
+    "llama_tied_llama3": lambda: tiny_config(
+        "llama", **BASE, tie_word_embeddings=True, rope_parameters=_llama3_rope()
     ),
-    "llama_linear_bias": lambda: LlamaConfig(
-        **BASE, attention_bias=True, mlp_bias=True,
+    "llama_linear_bias": lambda: tiny_config(
+        "llama", **BASE, attention_bias=True, mlp_bias=True,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     ),
-    "llama_yarn": lambda: LlamaConfig(
-        **BASE, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                 "original_max_position_embeddings": 32},
+    "llama_yarn": lambda: tiny_config(
+        "llama", **BASE, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                          "factor": 4.0, "original_max_position_embeddings": 32},
     ),
-    "mistral_window": lambda: MistralConfig(**BASE, sliding_window=4),
+    "mistral_window": lambda: tiny_config("mistral", **BASE, sliding_window=4),
     # layer 0 full attention, layer 1 windowed (max_window_layers=1)
-    "qwen2_window": lambda: Qwen2Config(
-        **BASE, use_sliding_window=True, sliding_window=4, max_window_layers=1
+    "qwen2_window": lambda: tiny_config(
+        "qwen2", **BASE, use_sliding_window=True, sliding_window=4, max_window_layers=1
     ),
-    "qwen3_tied": lambda: Qwen3Config(**BASE, head_dim=16, tie_word_embeddings=True),
+    "qwen3_tied": lambda: tiny_config("qwen3", **BASE, head_dim=16, tie_word_embeddings=True),
 }
-
-
-def _random_hf_model(config) -> torch.nn.Module:
-    """A transformers model with weights large enough that attention is far from uniform (so a
-    wrong mask, window or rotary shows in the logits)."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15 if p.dim() > 1 else 0.5)
-    return model
 
 
 def _hf_logits(model, seq: list[int]) -> torch.Tensor:  # [L, V]
@@ -100,8 +87,8 @@ class Driver:
 
 
 def _load(tmp_path, config):
-    hf = _random_hf_model(config)
-    hf.save_pretrained(tmp_path)
+    # SHARP weights: attention far from uniform, so a wrong mask, window or rotary shows
+    hf = build_tiny_model(tmp_path, config, init=SHARP, attn_implementation="eager")
     model_config, model = build_model(tmp_path, torch.float32, "cpu")
     runner = ModelRunner(
         model_config, model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
@@ -184,6 +171,7 @@ def test_bytes_per_block(tmp_path):
     assert runner.kv_caches[1][0].data_ptr() != runner.kv_caches[0][0].data_ptr()
 
 
+@pytest.mark.slow
 def test_default_model_matches_transformers():
     """SmolLM2-135M (dequantized GGUF; cached after the first run): our logits for a prompt and
     8 greedy decode steps equal transformers' LlamaForCausalLM built from the same config and

@@ -6,7 +6,6 @@ pyproject.toml)."""
 
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
@@ -14,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PKG = ROOT / "specserve"
+from tests.helpers.module_graph import PKG, ROOT, imported_modules
+
 # folder at the repo root -> the package it installs as
 SUBPACKAGES = {name: f"specserve.{name}" for name in ("kernels", "target", "draft", "distill")}
 SOURCE_DIRS = ["specserve", *SUBPACKAGES, "benchmarks", "tests"]
@@ -33,16 +32,6 @@ LAYERS = [
 ]
 # Upward imports allowed: none.
 KNOWN_UPWARD: set[str] = set()
-
-
-def imported_modules(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-        elif isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-    return names
 
 
 def module_name(path: Path) -> str:
@@ -124,6 +113,7 @@ def test_install_layout_is_one_top_level_package():
     assert set(tool["package-data"]) <= set(tool["packages"])
 
 
+@pytest.mark.e2e
 def test_a_checkout_imports_its_own_folders(tmp_path):
     """Run from a checkout (even beside another tree's editable install), specserve.kernels etc.
     are this checkout's folders. -S: no site-packages, hence no editable install to lean on."""

@@ -14,17 +14,15 @@ import json
 import threading
 
 import aiohttp
+import pytest
 
 from specserve.server.server_config import ServerConfig
-from tests.test_server import (  # noqa: F401  (model_dir is a fixture)
-    NAME,
-    ServerThread,
-    engine_config,
-    model_dir,
-)
+from tests.helpers.servers import NAME, ServerThread, engine_config
+
+pytestmark = pytest.mark.e2e
 
 
-def test_big_prompt_tokenizes_off_the_engine_thread_while_streams_run(model_dir):  # noqa: F811
+def test_big_prompt_tokenizes_off_the_engine_thread_while_streams_run(model_dir):
     srv = ServerThread(engine_config(model_dir),
                        ServerConfig(port=0, served_model_name=NAME, max_body_bytes=2 << 20))
     tok = srv.engine.engine.tokenizer

@@ -19,15 +19,7 @@ from pathlib import Path
 import pytest
 
 from specserve.server.server_config import ServerConfig
-from tests.test_server import (  # noqa: F401  (model_dir / offline are fixtures)
-    KEY,
-    ServerThread,
-    engine_config,
-    http,
-    model_dir,
-    offline,
-    reference,
-)
+from tests.helpers.servers import HANG_S, KEY, ServerThread, engine_config, http, reference
 
 CHROMIUM = (os.environ.get("SPECSERVE_CHROMIUM") or shutil.which("chromium")
             or shutil.which("chromium-browser"))
@@ -37,13 +29,15 @@ if CHROMIUM is None and os.environ.get("SPECSERVE_REQUIRE_BROWSER") == "1":  # .
     raise RuntimeError(NO_CHROMIUM + ", but SPECSERVE_REQUIRE_BROWSER=1")
 sync_api = pytest.importorskip(
     "playwright.sync_api", reason="playwright is a dev dependency: pip install -e '.[dev]'")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
+pytestmark = [pytest.mark.browser, pytest.mark.e2e,
+              pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)]
 PROMPT = "The little robot walked into the"
+HANG_MS = HANG_S * 1000  # Playwright waits in ms; only a hang runs out
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811
+def server(model_dir):
     srv = ServerThread(
         engine_config(model_dir, draft_model=model_dir, speculative_method="draft",
                       adaptive_speculation=False, num_speculative_tokens=4,
@@ -81,7 +75,7 @@ def _settings(pg, max_tokens: int, method_a: str = "draft", k_a: str = "4") -> N
 
 
 def _wait_idle(url: str) -> dict:
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + HANG_S  # only a hang ends the wait
     while True:
         h = http("GET", url + "/health")[1]
         idle = (h["num_in_flight"] == 0 and h["num_running"] == 0
@@ -91,13 +85,13 @@ def _wait_idle(url: str) -> dict:
         time.sleep(0.05)
 
 
-def test_ab_run_greedy_equal_and_acceptance_marked(page, server, offline, tmp_path):  # noqa: F811
+def test_ab_run_greedy_equal_and_acceptance_marked(page, server, offline, tmp_path):
     want = reference(offline, [PROMPT], 48, ignore_eos=True)[0].text
     _settings(page, 48)
     page.click("#run")
     for side in ("a", "b"):
         sync_api.expect(page.locator(f"#panel-{side}")).to_have_attribute(
-            "data-state", "done", timeout=60_000)
+            "data-state", "done", timeout=HANG_MS)
     text_a = page.inner_text("#panel-a [data-out]")
     text_b = page.inner_text("#panel-b [data-out]")
     assert text_a == text_b == want
@@ -121,12 +115,12 @@ def test_cancel_frees_the_server(page, server):
     _settings(page, 480)  # long enough that it is still running when Cancel lands
     page.click("#run")
     sync_api.expect(page.locator("#panel-a [data-stat=tokens]")).not_to_have_text(
-        "0", timeout=30_000)
+        "0", timeout=HANG_MS)
     assert http("GET", server.url + "/health")[1]["num_in_flight"] >= 1
     page.click("#cancel")
     for side in ("a", "b"):
         sync_api.expect(page.locator(f"#panel-{side}")).to_have_attribute(
-            "data-state", "cancelled", timeout=30_000)
+            "data-state", "cancelled", timeout=HANG_MS)
     h = _wait_idle(server.url)
     assert h["num_in_flight"] == 0 and h["num_running"] == 0, h
     assert h["kv_blocks_free"] == h["kv_blocks_total"], h
@@ -136,10 +130,10 @@ def test_cancel_frees_the_server(page, server):
 def test_server_error_shown_in_page(page, server):
     _settings(page, 8, k_a="99")  # num_tokens must be 0..16: the server answers an error
     page.click("#run")
-    sync_api.expect(page.locator("#errors")).to_contain_text("speculative", timeout=30_000)
+    sync_api.expect(page.locator("#errors")).to_contain_text("speculative", timeout=HANG_MS)
     sync_api.expect(page.locator("#panel-a")).to_have_attribute("data-state", "error")
     sync_api.expect(page.locator("#panel-b")).to_have_attribute(
-        "data-state", "done", timeout=30_000)
+        "data-state", "done", timeout=HANG_MS)
     assert _wait_idle(server.url)["num_in_flight"] == 0
 
 
@@ -156,7 +150,7 @@ def test_phone_width_has_no_sideways_scroll(page, tmp_path):
         page.set_viewport_size({"width": 1280, "height": 800})
 
 
-def test_side_c_streams_another_openai_server(page, server, offline):  # noqa: F811
+def test_side_c_streams_another_openai_server(page, server, offline):
     # "Another server" is this one's own REST API (same origin, so no CORS in the way): side C
     # reads its SSE stream and must show the same greedy text as the WebSocket sides.
     want = reference(offline, [PROMPT], 24, ignore_eos=True)[0].text
@@ -169,7 +163,7 @@ def test_side_c_streams_another_openai_server(page, server, offline):  # noqa: F
         page.click("#run")
         for side in ("a", "b", "c"):
             sync_api.expect(page.locator(f"#panel-{side}")).to_have_attribute(
-                "data-state", "done", timeout=60_000)
+                "data-state", "done", timeout=HANG_MS)
         assert page.inner_text("#panel-c [data-out]") == want
         assert page.inner_text("#panel-c [data-stat=tokens]") == "24"  # from the final usage
         assert "B over C" in page.inner_text("#summary")

@@ -1,11 +1,11 @@
 """Block-quantized weights and the C++ CPU kernels (kernels/csrc): values against gguf's own
-dequantization, products against float64, batch invariance bit for bit, the tuner's choice,
-and greedy speculation identical to plain decoding under every quantization."""
+dequantization, products against float64, batch invariance bit for bit, and greedy speculation
+identical to plain decoding under every quantization. The tuner that chooses among the kernels
+is tested in test_tuner.py."""
 
 from __future__ import annotations
 
 import re
-import time
 
 import numpy as np
 import pytest
@@ -48,6 +48,7 @@ def test_gguf_blocks_dequantize_like_gguf_bit_for_bit(type_name, tmp_path):
     assert torch.equal(ours, ref)
 
 
+@pytest.mark.slow
 def test_default_model_blocks_equal_transformers_weights():
     """The built-in GGUF's Q4_1 projections (q/k un-permuted, fused) and its Q8_0 table, loaded
     natively, dequantize bit for bit to the float tensors transformers' GGUF loader produces."""
@@ -219,91 +220,6 @@ def test_fused_ops_are_batch_invariant():
                            ext.add_rms_norm_(x, b, w, 1e-6)[:rows])
 
 
-# ---- the tuner ------------------------------------------------------------------------------
-
-
-def test_tuner_picks_the_faster_candidate_and_caches(tmp_path, monkeypatch):
-    """One candidate made artificially slow: the tuner must choose the other at every row
-    count, write the table, and a second tuner must read it back without timing anything."""
-    from specserve.kernels import linear, tuner
-    from specserve.kernels.linear import DenseLinear
-
-    def slow(x, w, b):  # 20 ms: far above a scheduler hiccup on a busy 2-core machine
-        time.sleep(0.02)
-        return F.linear(x, w, b)
-
-    monkeypatch.setattr(linear, "DENSE_KERNELS", {"slow": slow, "fast": F.linear})
-    monkeypatch.setattr(tuner, "DENSE_KERNELS", linear.DENSE_KERNELS)
-    model = torch.nn.Sequential(DenseLinear(32, 48), DenseLinear(32, 48), DenseLinear(48, 32))
-    t = tuner.KernelTuner(tmp_path, "test", repeats=3)
-    table = t.tune(model, [1, 2, 5])
-    assert set(table.groups) == {"dense:float32:48x32", "dense:float32:32x48"}
-    for group in table.groups.values():
-        assert set(group.choice.values()) == {"fast"}
-        for timing in group.timings.values():
-            assert timing["slow"] > timing["fast"]
-    assert model[0].plan is not None and model[0].plan.get(3) == "fast"
-    assert model[0].plan is model[1].plan  # one plan per shape
-    x = torch.randn(3, 32)
-    torch.testing.assert_close(model[0](x), F.linear(x, model[0].weight, model[0].bias))
-
-    def no_measuring(*_a, **_k):
-        raise AssertionError("the cached table should have been read")
-
-    monkeypatch.setattr(tuner.KernelTuner, "measure", no_measuring)
-    again = tuner.KernelTuner(tmp_path, "test").tune(model, [1, 2, 5])
-    assert again.groups["dense:float32:48x32"].choice == table.groups["dense:float32:48x32"].choice
-    assert again.projection_seconds(5) == pytest.approx(table.projection_seconds(5))
-
-
-def test_tuner_times_from_memory_only_when_weights_exceed_the_last_level_cache(monkeypatch):
-    """Weights that fit in the last-level cache are timed cached (no eviction); weights that do
-    not are timed after a read of twice that cache, before every timed pass of every candidate,
-    never inside the timing."""
-    from specserve.kernels import tuner
-    from specserve.kernels.linear import DenseLinear
-
-    llc = tuner.last_level_cache_bytes()  # sysfs's answer here, when it has one
-    assert llc is None or llc >= 1 << 20
-    model = torch.nn.Sequential(DenseLinear(64, 64), DenseLinear(64, 64))  # 2 x 16 KB
-    groups = tuner.model_groups(model)
-    monkeypatch.setattr(tuner, "last_level_cache_bytes", lambda: 1 << 20)
-    assert tuner.cache_evictor(groups) is None
-    monkeypatch.setattr(tuner, "last_level_cache_bytes", lambda: 16 << 10)
-    evict = tuner.cache_evictor(groups)
-    assert evict is not None and evict.__self__.numel() * 4 == 32 << 10  # twice the cache
-    order: list[str] = []
-    runs = [{"a": lambda: order.append("a"), "b": lambda: order.append("b")}]
-    tuner.time_candidates(runs, 2, lambda: order.append("evict"))
-    assert order == ["a", "b"] + ["evict", "a", "evict", "b"] * 2  # warm-up, then 2 repeats
-
-
-def test_projection_seconds_interpolates_between_measured_counts():
-    """Hand-worked: linear between measured counts (9 rows are not priced as 8), the smallest
-    count below it, proportional above the largest; groups add up."""
-    from specserve.kernels.tuner import GroupResult, TuneTable
-
-    table = TuneTable({"a": GroupResult(seconds={1: 1.0, 8: 2.0, 16: 4.0}),
-                       "b": GroupResult(seconds={1: 0.5, 16: 0.5})})
-    assert table.projection_seconds(1) == pytest.approx(1.5)
-    assert table.projection_seconds(4) == pytest.approx(1.0 + 3 / 7 + 0.5)
-    assert table.projection_seconds(9) == pytest.approx(2.25 + 0.5)
-    assert table.projection_seconds(12) == pytest.approx(3.0 + 0.5)
-    assert table.projection_seconds(32) == pytest.approx(8.0 + 1.0)
-    assert TuneTable().projection_seconds(4) is None
-
-
-def test_row_plan_lookup():
-    from specserve.kernels.linear import RowPlan
-
-    plan = RowPlan("linear")
-    assert plan.get(7) == "linear"
-    plan.set(4, "a")
-    plan.set(1, "b")
-    plan.set(16, "c")
-    assert [plan.get(r) for r in (1, 2, 4, 15, 16, 500)] == ["b", "b", "a", "a", "c", "c"]
-
-
 # ---- through the engine -----------------------------------------------------------------------
 
 
@@ -327,6 +243,7 @@ REWRITE = ("Rewrite in the past tense: The new library opens on Monday. The new 
 @pytest.mark.parametrize("quantization, kv_cache_dtype", [
     ("auto", "auto"), ("int8", "auto"), ("int4", "auto"), ("auto", "float16"),
     ("auto", "bfloat16")])
+@pytest.mark.slow
 def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization, kv_cache_dtype):
     """Under every quantization of the built-in model (auto: its own Q4_1/Q8_0 blocks), and with
     a float16 or bfloat16 KV cache, n-gram speculation with a fixed k=4 gives token-for-token
@@ -356,6 +273,7 @@ def test_greedy_ngram_speculation_equals_plain_on_default_model(quantization, kv
     assert one_by_one == [x.token_ids for x in a]  # batch of 3 == alone
 
 
+@pytest.mark.slow
 def test_16_bit_kv_caches_need_the_cpp_attention():
     """float16 / bfloat16 caches only where the C++ attention reads them; ``auto`` keeps the
     model's dtype elsewhere (the dense float32 path stays the transformers-exact reference)."""
@@ -373,6 +291,7 @@ def test_16_bit_kv_caches_need_the_cpp_attention():
     assert dense.runner.kv_cache.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_quantized_hf_folder_speculation_equals_plain(text_model):
     """An HF folder quantized at load (int4 and int8): greedy n-gram output equals plain."""
     from specserve.core.sampling_params import SamplingParams
@@ -440,6 +359,8 @@ def test_whole_layer_call_equals_the_per_op_path(text_model, monkeypatch):
     assert torch.equal(whole, per_op)
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_default_model_native_4bit_speculation_same_text_over_http():
     """The built-in model with the server's defaults (its Q4_1/Q8_0 blocks, the shipped draft):
     per-request speculation off / ngram / draft gives the same greedy chat answer, over HTTP.
@@ -447,7 +368,7 @@ def test_default_model_native_4bit_speculation_same_text_over_http():
     cached prefix changes no bits."""
     from specserve.core.config import EngineConfig
     from specserve.server.server_config import ServerConfig
-    from tests.test_server import KEY, NAME, ServerThread, http
+    from tests.helpers.servers import KEY, NAME, ServerThread, http
 
     srv = ServerThread(
         EngineConfig(kv_cache_memory=128 << 20, max_model_len=1024, adaptive_speculation=False),

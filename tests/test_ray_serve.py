@@ -23,13 +23,7 @@ from specserve.scale import ray_serve  # noqa: E402
 from specserve.scale.prefix_key import AffinityTable, prefix_hashes  # noqa: E402
 from specserve.scale.scale_config import ScaleConfig  # noqa: E402
 from specserve.server.server_config import ServerConfig  # noqa: E402
-from tests.test_server import (  # noqa: E402, F401  (model_dir is a fixture)
-    NAME,
-    ServerThread,
-    engine_config,
-    http,
-    model_dir,
-)
+from tests.helpers.servers import NAME, ServerThread, engine_config, http  # noqa: E402
 
 BLOCK = 4  # engine_config's block_size: a 3-block prefix is 12 tokens
 
@@ -40,12 +34,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _engine(model_dir: str):  # noqa: F811
+def _engine(model_dir: str):
     return engine_config(model_dir, speculative_method="ngram", adaptive_speculation=False)
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir):  # noqa: F811
+def cluster(model_dir):
     """The Ray Serve app (2 replicas, prefix router) and the single-process reference server."""
     ray.init(num_cpus=2, object_store_memory=100 * 1024 * 1024, include_dashboard=False,
              log_to_driver=False, runtime_env=ray_serve.source_runtime_env())
@@ -92,6 +86,8 @@ def replicas(url: str) -> dict[str, dict]:
     return {r["replica"]: r for r in reps}
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
 def test_outputs_equal_single_process_json_and_sse(cluster):
     prompts = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
     for prompt in prompts:
@@ -123,6 +119,8 @@ def test_outputs_equal_single_process_json_and_sse(cluster):
     assert s1 == s2 == 400 and e1 == e2
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
 def test_health_models_metrics(cluster):
     status, h = http("GET", cluster.url + "/health", key=None)
     assert status == 200 and h["status"] == "ok" and h["kv_blocks_total"] == 2 * 1024
@@ -138,6 +136,8 @@ def test_health_models_metrics(cluster):
             assert f'{series}{{replica="{rid}"}}' in text, (series, rid)
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
 def test_shared_prefix_lands_on_one_replica(cluster):
     """Eight requests whose first 3 KV blocks (12 tokens) are equal and whose tails differ:
     one replica gets them all and serves 12 prompt tokens of every one but the first from its
@@ -190,6 +190,8 @@ def test_affinity_spills_over_past_the_imbalance_and_forgets_dead_replicas():
     assert not any(other in o for o in table.owners.values())
 
 
+@pytest.mark.ray
+@pytest.mark.e2e
 def test_replica_killed_mid_run_loses_no_request(cluster):
     """Requests in flight on a killed replica end with an OpenAI error (JSON 503, or an SSE
     error event then [DONE]); the others complete; new requests go to the survivor; Ray
@@ -272,7 +274,7 @@ def test_replica_killed_mid_run_loses_no_request(cluster):
 
 def test_ray_front_end_reuses_the_transport_neutral_modules():
     """ray_serve.py answers through api.py / replies.py, never through the aiohttp module."""
-    from tests.test_module_boundaries import PKG, imported_modules
+    from tests.helpers.module_graph import PKG, imported_modules
 
     for name in ("server/replies.py", "scale/ray_serve.py", "scale/ray_router.py",
                  "scale/prefix_key.py"):

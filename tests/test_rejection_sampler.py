@@ -12,7 +12,7 @@ import torch
 from specserve.core.sampling import SampleRequest, process_logits, sample
 from specserve.core.sampling_params import SamplingParams
 from specserve.spec.rejection_sampler import SpecDecodeRow, rejection_sample
-from tests.test_sampling import expected_distribution
+from tests.helpers.reference import expected_distribution
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 

@@ -10,27 +10,7 @@ import torch
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling import SampleRequest, process_logits, sample
 from specserve.core.sampling_params import SamplingParams
-
-
-def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
-    """Float64 reference written from the definitions: temperature, keep the k most likely,
-    then the smallest most-likely set whose probability reaches top_p; renormalize."""
-    p = torch.softmax(logits.double() / temperature, dim=-1)
-    order = torch.argsort(p, descending=True).tolist()
-    if top_k:
-        order = order[:top_k]
-    kept = torch.zeros_like(p)
-    kept[order] = p[order]
-    kept /= kept.sum()
-    support, mass = [], 0.0
-    for tok in order:
-        support.append(tok)
-        mass += float(kept[tok])
-        if mass >= top_p:
-            break
-    final = torch.zeros_like(p)
-    final[support] = kept[support]
-    return final / final.sum()
+from tests.helpers.reference import expected_distribution
 
 
 def row(params: SamplingParams, generator=None) -> SampleRequest:

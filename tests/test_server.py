@@ -15,130 +15,27 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import aiohttp
 import openai
 import pytest
-import torch
-from aiohttp import web
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from specserve.core.config import EngineConfig
-from specserve.core.sampling_params import SamplingParams
 from specserve.engine.async_engine import AsyncEngine
-from specserve.engine.llm_engine import LLMEngine
-from specserve.server.app import create_app
 from specserve.server.server_config import ServerConfig
+from tests.helpers.servers import (
+    GOOD,
+    HANG_S,
+    KEY,
+    NAME,
+    PROMPTS,
+    ServerThread,
+    engine_config,
+    http,
+    reference,
+    wait_healthy,
+)
 
-KEY = "test-key"
-NAME = "tiny"
-PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Once upon a"]
-
-
-def build_tiny(path: str) -> None:
-    from specserve.engine.models import default_model_path, load_tokenizer
-
-    tok = load_tokenizer(default_model_path())
-    cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():  # larger weights than the default init: clear argmax margins
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.12 if p.dim() > 1 else 0.3)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-
-
-def engine_config(path: str, **kw) -> EngineConfig:
-    cfg = dict(model=path, dtype="float32", block_size=4, num_kv_blocks=1024, max_model_len=256)
-    cfg.update(kw)
-    return EngineConfig(**cfg)
-
-
-class ServerThread:
-    """A real server on its own event loop thread (so sync clients can call it from the test)."""
-
-    def __init__(self, engine_cfg: EngineConfig, server_cfg: ServerConfig,
-                 async_engine_cls: type[AsyncEngine] = AsyncEngine, wait: bool = True) -> None:
-        self.engine = async_engine_cls(LLMEngine(engine_cfg), server_cfg.max_queue_len)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        app = create_app(self.engine, server_cfg, engine_cfg.model)
-        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5)
-        self._call(self._start(server_cfg.host))
-        if wait:
-            self._call(self.engine.wait_ready(60))
-
-    async def _start(self, host: str) -> None:
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, 0)
-        await site.start()
-        port = self.runner.addresses[0][1]
-        self.url = f"http://{host}:{port}"
-
-    def _call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self._call(self.runner.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-def http(method: str, url: str, body: object = None, raw: bytes | None = None,
-         key: str | None = KEY) -> tuple[int, dict | str]:
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            status, text = resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        status, text = err.code, err.read().decode()
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text
-
-
-def wait_healthy(url: str, timeout: float = 90) -> None:
-    """Polls a server in another process until /health answers 200."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if http("GET", url + "/health")[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    pytest.fail("server never became ready")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("tiny_llama"))
-    build_tiny(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def offline(model_dir) -> LLMEngine:
-    return LLMEngine(engine_config(model_dir))
-
-
-def reference(engine: LLMEngine, prompts, max_tokens: int, **kw) -> list:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
-    return engine.generate(prompts, params)
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +160,6 @@ def test_speculative_ab_same_greedy_text(server):
     assert texts["off"] == texts["ngram"]
 
 
-GOOD = {"model": NAME, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
 BAD = [
     ({"model": NAME, "max_tokens": 2}, "prompt"),
     ({**GOOD, "max_tokens": 0}, "max_tokens"),
@@ -331,7 +227,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
             resp.close()  # drop the connection mid-stream
 
     asyncio.run(run())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_S  # only a hang ends the wait
     while time.monotonic() < deadline:
         h = _health(server.url)
         if h["kv_blocks_free"] == h["kv_blocks_total"] and h["num_in_flight"] == 0:
@@ -369,7 +265,7 @@ class GatedEngine(AsyncEngine):
     gate = threading.Event()
 
     def _warmup(self) -> None:
-        self.gate.wait(30)
+        self.gate.wait(HANG_S)
         super()._warmup()
 
 
@@ -383,7 +279,7 @@ def test_health_503_until_warm_and_queue_full_429(model_dir):
         status, resp = http("POST", srv.url + "/v1/completions", GOOD, key=None)
         assert status == 503 and resp["error"]["code"] == "not_ready"
         GatedEngine.gate.set()
-        srv._call(srv.engine.wait_ready(60))
+        srv._call(srv.engine.wait_ready(HANG_S), HANG_S + 10)
         assert http("GET", srv.url + "/health")[0] == 200
 
         async def run():
@@ -427,7 +323,7 @@ def test_cli_serve_sigterm_aborts_in_flight_and_exits_0(model_dir, unused_tcp_po
 
         text, reason = asyncio.run(run())
         assert reason == "abort" and text
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=HANG_S)
         assert proc.returncode == 0, err.decode()
         lines = [json.loads(x) for x in out.decode().splitlines() if x.startswith("{")]
         done = [x for x in lines if x.get("event") == "request"]

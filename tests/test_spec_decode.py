@@ -4,63 +4,20 @@ distribution equal to the target's, exact stops inside multi-token steps, no KV 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from transformers import LlamaConfig
 
-from specserve.core.config import EngineConfig
 from specserve.core.errors import ModelLoadError
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams
-from specserve.engine.llm_engine import LLMEngine
 from specserve.spec.policy import Candidate, SpeculationPolicy, expected_tokens
-from tests.test_engine import BASE, build_model_dir, hf_greedy, prompts
-
-GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-LONG = {**BASE, "max_position_embeddings": 512}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A tiny target, an unrelated tiny draft with the same vocabulary, and a 2-layer draft cut
-    from the target (partly agrees with it)."""
-    target_dir = tmp_path_factory.mktemp("target")
-    hf = build_model_dir(LlamaConfig(**LONG), target_dir)
-    other_dir = tmp_path_factory.mktemp("draft_other")
-    torch.manual_seed(1)
-    cfg = LlamaConfig(**{**LONG, "num_hidden_layers": 1, "hidden_size": 32,
-                         "intermediate_size": 64, "num_attention_heads": 2,
-                         "num_key_value_heads": 1})
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(other_dir)
-    return str(target_dir), str(other_dir), hf
-
-
-def repetitive_prompts(seed=0):
-    """Prompts with repeats, so prompt lookup finds matches."""
-    base = prompts([6, 9, 4], seed=seed)
-    return [b * 4 + b[:3] for b in base] + prompts([17], seed=seed + 1)
-
-
-def make(path, **kw) -> LLMEngine:
-    """A test engine; with a draft model and no method named, requests speculate with the
-    draft (these tests are about it; the server's default is auto)."""
-    cfg = dict(model=path, dtype="float32", block_size=4, num_kv_blocks=400,
-               adaptive_speculation=False, num_speculative_tokens=4)
-    cfg.update(kw)
-    if cfg.get("draft_model") not in (None, "none") and "speculative_method" not in cfg:
-        cfg["speculative_method"] = "draft"
-    return LLMEngine(EngineConfig(**cfg))
-
-
-def check_greedy(engine, hf, prompt_list, params=GREEDY, speculative=None):
-    outs = engine.generate(prompt_list, params, speculative)
-    for p, out in zip(prompt_list, outs):
-        assert out.token_ids == hf_greedy(hf, p, params.max_tokens)
-    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
-    return outs
+from tests.helpers.reference import (
+    chi_square,
+    exact_second_token_distribution,
+    hf_greedy,
+    prompts,
+)
+from tests.helpers.speculation import check_greedy, make, repetitive_prompts
+from tests.helpers.tiny_models import BASE, HF_INIT, build_tiny_model, tiny_config
 
 
 @pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 9},
@@ -138,16 +95,6 @@ def test_stops_inside_a_multi_token_step(models):
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
 
 
-def exact_second_token_distribution(hf, prompt, temperature):
-    """P(t2) = sum_t1 p(t1 | prompt) p(t2 | prompt, t1), in float64 from transformers."""
-    with torch.no_grad():
-        first = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)
-        vocab = first.shape[0]
-        batch = torch.tensor([prompt + [t] for t in range(vocab)])
-        second = torch.softmax(hf(batch).logits[:, -1].double() / temperature, -1)  # [V, V]
-    return first @ second
-
-
 def second_token_counts(models, method: str, rounds: int, seeded: bool = False):
     """Samples (prompt -> 3 tokens) 250 x rounds times with k = 1 speculation; returns the
     counts of the second token (the one a verify step produces), the exact float64 target
@@ -174,6 +121,7 @@ def second_token_counts(models, method: str, rounds: int, seeded: bool = False):
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "auto"])
+@pytest.mark.slow
 def test_sampled_distribution_equals_target(models, method):
     """The second token is produced by a verify step (k = 1 draft), so its distribution is the
     rejection sampler's output; it must equal the target's exact marginal."""
@@ -184,6 +132,7 @@ def test_sampled_distribution_equals_target(models, method):
 
 
 @pytest.mark.parametrize("method", ["draft", "suffix"])
+@pytest.mark.slow
 def test_seeded_sampled_distribution_equals_target(models, method):
     """The same with a seed per request: seeded rows are verified by sampling each position
     (rejection_sampler.py), and their second tokens still follow the target's marginal."""
@@ -212,21 +161,7 @@ def test_seeded_sampling_emits_plain_decodings_tokens(models, method):
     assert sum(o.timings.num_accepted for o in alone + together[:len(ps)]) > 0
 
 
-def chi_square(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
-    """Chi-square statistic (small cells pooled) and a bound df + 6 sqrt(2 df) that a correct
-    sampler stays under for any fixed seed we would pick (no scipy needed)."""
-    n = float(counts.sum())
-    order = torch.argsort(expected, descending=True)
-    big = order[expected[order] * n >= 5]
-    small = order[expected[order] * n < 5]
-    obs = torch.cat([counts[big], counts[small].sum()[None]])
-    exp = torch.cat([expected[big], expected[small].sum()[None]]) * n
-    keep = exp > 0
-    chi2 = float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
-    df = int(keep.sum()) - 1
-    return chi2, df + 6 * math.sqrt(2 * df)
-
-
+@pytest.mark.slow
 def test_distribution_test_catches_a_broken_accept_rule(models, monkeypatch):
     """Negative control: accept every draft (ignoring p/q) and the same test must fail."""
     import specserve.spec.speculator as speculator_mod
@@ -249,11 +184,7 @@ def test_distribution_test_catches_a_broken_accept_rule(models, monkeypatch):
 
 def test_draft_with_other_vocabulary_is_refused(models, tmp_path):
     target, _, _ = models
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.from_config(LlamaConfig(**{**BASE, "vocab_size": 301})).save_pretrained(
-        tmp_path
-    )
+    build_tiny_model(tmp_path, tiny_config(vocab_size=301), init=HF_INIT)
     with pytest.raises(ModelLoadError, match="vocabulary"):
         make(target, draft_model=str(tmp_path))
 
@@ -338,6 +269,7 @@ def test_long_random_workload_returns_every_block(models):
     assert not engine.requests
 
 
+@pytest.mark.slow
 def test_random_stops_identical_with_and_without_speculation(text_model):
     """Self-draft: every verify step accepts k + 1 tokens, so stops land inside multi-token
     steps; text, token ids, finish reason and logprobs must be byte-identical to plain."""

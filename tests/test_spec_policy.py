@@ -4,14 +4,7 @@ are given, never measured here)."""
 from __future__ import annotations
 
 from specserve.spec.policy import Candidate, SpeculationPolicy, expected_tokens
-
-
-def policy_with_step_cost(fixed: float, per_token: float) -> SpeculationPolicy:
-    policy = SpeculationPolicy()
-    for n in range(1, 200):
-        for _ in range(3):
-            policy.record_target(n, fixed + per_token * n)
-    return policy
+from tests.helpers.speculation import policy_with_step_cost
 
 
 def test_a_proposer_slower_than_what_its_drafts_save_is_not_used():

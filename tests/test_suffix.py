@@ -13,6 +13,7 @@ from specserve.draft import suffix_trie_ext
 from specserve.draft.base import FinishedSequence, ProposalRequest
 from specserve.draft.suffix import SuffixOptions, SuffixProposer
 from specserve.draft.suffix_trie import SuffixTrie
+from tests.helpers.reference import random_text
 
 # ---- the reference -------------------------------------------------------------------------
 
@@ -95,24 +96,6 @@ def ref_global(docs, context, depth, k, factor=1.0, min_prob=0.1):
             budget = max(1, min(k, math.floor(factor * m)))
             cands.append((*ref_walk(docs, pat, depth, budget, min_prob), m))
     return _best_candidate(cands)[:2]
-
-
-def random_text(rng: random.Random, n: int) -> list[int]:
-    kind = rng.choice(["random", "small_vocab", "repeats", "run"])
-    if kind == "random":
-        return [rng.randrange(50) for _ in range(n)]
-    if kind == "small_vocab":
-        return [rng.randrange(3) for _ in range(n)]
-    if kind == "run":
-        return [7] * n
-    base = [rng.randrange(20) for _ in range(rng.randint(3, 9))]
-    out: list[int] = []
-    while len(out) < n:  # copies with small edits, like code rewrites
-        piece = list(base)
-        if rng.random() < 0.5:
-            piece[rng.randrange(len(piece))] = rng.randrange(20)
-        out += piece
-    return out[:n]
 
 
 # ---- the trie against the reference --------------------------------------------------------

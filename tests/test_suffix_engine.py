@@ -10,16 +10,14 @@ from specserve.core.errors import ConfigError, InvalidRequestError
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from specserve.draft.base import ProposalRequest
 from specserve.draft.registry import REGISTRY, UnknownProposerError
-from tests.test_engine import hf_greedy, prompts
-from tests.test_spec_decode import GREEDY, check_greedy, make, models, repetitive_prompts
-
-__all__ = ["models"]  # the module-scoped fixture, shared with test_spec_decode
-
-
-def copy_prompt(seed: int) -> list[int]:
-    """A block that repeats: the continuation copies it, so long suffix matches exist."""
-    block = prompts([12], seed=seed)[0]
-    return block * 3 + block[:4]
+from tests.helpers.reference import hf_greedy, prompts
+from tests.helpers.speculation import (
+    GREEDY,
+    check_greedy,
+    copy_prompt,
+    make,
+    repetitive_prompts,
+)
 
 
 @pytest.mark.parametrize("method", ["suffix", "auto"])

@@ -14,7 +14,7 @@ import pytest
 from specserve.draft import suffix_trie_ext
 from specserve.draft.base import FinishedSequence, ProposalRequest
 from specserve.draft.suffix import SuffixOptions, SuffixProposer
-from tests.test_suffix import random_text
+from tests.helpers.reference import random_text
 
 WORKLOADS = Path(__file__).parents[1] / "benchmarks" / "workloads"
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from specserve.server.server_config import ServerConfig
-from tests.test_server import NAME, ServerThread, engine_config, http, model_dir
+from tests.helpers.servers import NAME, ServerThread, engine_config, http
 
-__all__ = ["model_dir"]  # the module-scoped fixture, shared with test_server
+pytestmark = pytest.mark.e2e
 
 KEY_A, KEY_B = "key-a", "key-b"
 

@@ -14,20 +14,21 @@ import aiohttp
 import pytest
 
 from specserve.server.server_config import ServerConfig
-from tests.test_server import (  # noqa: F401  (model_dir / offline are fixtures)
+from tests.helpers.servers import (
+    HANG_S,
     KEY,
     NAME,
     ServerThread,
     engine_config,
     http,
-    model_dir,
-    offline,
     reference,
 )
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811
+def server(model_dir):
     srv = ServerThread(engine_config(model_dir),
                        ServerConfig(port=0, api_key=KEY, served_model_name=NAME))
     yield srv
@@ -40,7 +41,7 @@ async def _connect(session: aiohttp.ClientSession, url: str):
 
 
 def _wait_blocks_free(url: str) -> dict:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_S  # only a hang ends the wait
     while True:
         h = http("GET", url + "/health")[1]
         done = h["kv_blocks_free"] == h["kv_blocks_total"] and h["num_in_flight"] == 0
@@ -49,7 +50,7 @@ def _wait_blocks_free(url: str) -> dict:
         time.sleep(0.05)
 
 
-def test_three_concurrent_one_cancelled(server, offline):  # noqa: F811
+def test_three_concurrent_one_cancelled(server, offline):
     messages = [{"role": "user", "content": "Tell me a story."}]
     want_a = reference(offline, ["The weather today"], 12, ignore_eos=True)[0]
     want_b = reference(offline, [offline.render_chat(messages)], 10, ignore_eos=True)[0]

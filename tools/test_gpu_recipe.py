@@ -68,6 +68,7 @@ def test_results_come_back_in_pieces_that_rejoin(tmp_path, monkeypatch):
     assert (tmp_path / "out" / "speeds.json").is_file()
 
 
+@pytest.mark.e2e
 def test_the_recipe_runs_uninstalled_from_the_tree(tmp_path):
     """Call 2 as the GPU machine runs it: the bare tree, no install (-S: no site-packages), the
     printed command from the repo root; the part lands in the store."""
