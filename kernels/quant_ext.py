@@ -27,9 +27,12 @@ from specserve.kernels.cpp_build import load_extension
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qgemm.cpp", "fused.cpp")]
-# -fopenmp: at::parallel_for is OpenMP pragmas in a header, so without it every kernel runs on
-# one thread. The extension's libgomp.so.1 resolves to the one torch has already loaded.
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("qgemm.cpp", "fused.cpp", "pool.cpp")]
+_HEADERS = [_CSRC / "pool.h"]  # not compiled on their own, but part of what a build depends on
+# -fopenmp: the kernels' regions run on their own pool (csrc/pool.h), but its openmp policy
+# (the old static split, kept for comparisons) calls at::parallel_for, OpenMP pragmas in a
+# header. The extension's libgomp.so.1 resolves to the one torch has already loaded.
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 
 
@@ -51,7 +54,7 @@ def cpu_supported() -> bool:
 def build_key() -> str:
     """Changes whenever the sources, flags, torch or Python change (the kernel tuner keys its
     table on it too: a rebuilt kernel is re-measured)."""
-    source = b"".join(p.read_bytes() for p in _SOURCES)
+    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     return hashlib.sha256(
         source + " ".join(_FLAGS).encode() + torch.__version__.encode() + sys.version.encode()
     ).hexdigest()[:16]
@@ -64,8 +67,18 @@ def load() -> ModuleType:
     if not cpu_supported():
         raise RuntimeError("the block-quantized CPU kernels need an x86-64 CPU with AVX2 and FMA")
     key = build_key()
-    return load_extension(f"specserve_qgemm_{key}", _SOURCES,
-                          cache_root() / "ext" / f"qgemm-{key}", _FLAGS, ["-fopenmp"])
+    module = load_extension(f"specserve_qgemm_{key}", _SOURCES,
+                            cache_root() / "ext" / f"qgemm-{key}", _FLAGS, ["-fopenmp"])
+    from specserve.kernels.thread_policy import from_env  # imports this module
+
+    try:  # SPECSERVE_THREAD_POLICY: how the kernels' regions wait (no result changes)
+        policy = from_env()
+    except ValueError as exc:  # a typo must not cost the kernels: say so, keep the default
+        log.warning("%s; keeping the default thread policy", exc)
+        policy = None
+    if policy is not None:
+        module.set_thread_policy(policy.spin_us, policy.wait_us, policy.openmp)
+    return module
 
 
 @functools.cache

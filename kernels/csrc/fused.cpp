@@ -11,8 +11,10 @@
 //       one query row at absolute position p attends keys 0..p (p-window+1..p with a sliding
 //       window) of its sequence in the paged cache: scores, max, exp, sum, weighted values,
 //       all in key order.
+//
+// Parallel regions run on the kernels' own pool (pool.h): chunks claimed as threads come free,
+// which moves no bit, since each row's (or work item's) arithmetic is its own.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -23,7 +25,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "pool.h"
+
 namespace {
+
+using specserve::pool::parallel_for;
 
 // A bfloat16 cache element (its 16 bits; a type of its own so the loads below overload on it).
 struct bf16_t {
@@ -95,7 +101,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+  parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) norm_row(xp + t * K, wp, (float)eps, K, yp + t * K);
   });
   return y;
@@ -109,7 +115,7 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Te
   at::Tensor y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float *rp = residual.data_ptr<float>(), *yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+  parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       float* r = rp + t * K;
       for (int64_t i = 0; i < K; ++i) r[i] = r[i] + xp[t * K + i];
@@ -127,7 +133,7 @@ void rotary_qkv_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, 
               "cos/sin must be contiguous [T, D]");
   float* p = qkv.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+  parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
     std::vector<float> tmp(D);
     for (int64_t t = b; t < e; ++t) {
       const float* c = cp + t * D;
@@ -148,7 +154,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor y = at::empty({T, I}, gate_up.options());
   const float* g = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+  parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* gt = g + t * 2 * I;
       int64_t i = 0;
@@ -738,6 +744,24 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
   }
 }
 
+// A thread's scratch for attention work items, kept across items and calls (on the pool a
+// chunk is one item, and a decode step runs a region per layer), let go when a long prefill
+// left it larger than 4 MB of scores.
+template <typename T>
+struct ItemScratch {
+  AttendScratch<T> w;
+  std::vector<float> m, l, acc, ms, ls, as;
+  void trim() {
+    if (w.scores.capacity() > (size_t{1} << 20)) *this = ItemScratch();
+  }
+};
+
+template <typename T>
+ItemScratch<T>& item_scratch() {
+  thread_local ItemScratch<T> scratch;
+  return scratch;
+}
+
 // Row state (m, l, acc) folded with a later segment's (ms, ls, as), segments in key order: the
 // same float ops wherever and in whatever call the segments were computed. An empty segment
 // (ms = -inf) is skipped; an empty state takes the segment as it is.
@@ -845,9 +869,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   for (int64_t i = 0; i < n_tiles; ++i) total_segs += nseg[i];
   if (seg_len == 0 || total_segs == n_tiles || n_tiles * KVH >= 4 * threads) {
     // Each item folds its own segments as it goes.
-    at::parallel_for(0, n_tiles * KVH, 1, [&](int64_t b, int64_t e) {
-      AttendScratch<T> w;
-      std::vector<float> m, l, acc, ms, ls, as;
+    parallel_for(0, n_tiles * KVH, 1, [&](int64_t b, int64_t e) {
+      ItemScratch<T>& scratch = item_scratch<T>();
+      AttendScratch<T>& w = scratch.w;
+      auto &m = scratch.m, &l = scratch.l, &acc = scratch.acc;
+      auto &ms = scratch.ms, &ls = scratch.ls, &as = scratch.as;
       for (int64_t item = b; item < e; ++item) {
         const int64_t i = item / KVH, kvh = item % KVH;
         const int64_t t0 = tile_start[i], nt = tile_start[i + 1] - t0, R = nt * group;
@@ -869,6 +895,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         }
         store(i, kvh, l.data(), acc.data());
       }
+      scratch.trim();
     });
     return out;
   }
@@ -889,8 +916,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     return buf.get() + offset[gs] + kvh * R * (D + 2);
   };
   // Items of very different sizes (a full segment and a tail, a 16-row tile and a 1-row one):
-  // longest first, each to the least loaded thread, instead of parallel_for's contiguous
-  // ranges (which gave one thread every full segment of a decode row).
+  // longest first, instead of contiguous ranges (which gave one thread every full segment of a
+  // decode row). On the pool each thread claims the next longest as it comes free, so a thread
+  // that starts late holds no share of its own; under OpenMP each item goes, in that order, to
+  // the least loaded thread.
   const int64_t n_items = first[n_tiles] * KVH;
   std::vector<int64_t> order(n_items), cost(n_items);
   for (int64_t item = 0; item < n_items; ++item) {
@@ -901,25 +930,34 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-  std::vector<std::vector<int64_t>> mine(threads);
-  std::vector<int64_t> load(threads, 0);
-  for (int64_t item : order) {
-    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
-    mine[t].push_back(item);
-    load[t] += cost[item];
+  auto attend_item = [&](int64_t item, AttendScratch<T>& w) {
+    const int64_t gs = item / KVH, kvh = item % KVH, i = tile_of[gs];
+    const int64_t t0 = tile_start[i], nt = tile_start[i + 1] - t0, R = nt * group;
+    float* p = part(gs, kvh);
+    const auto [ka, kb] = seg_range(i, gs - first[i]);
+    attend_keys(c, t0, nt, kvh, ka, kb, w, p, p + R, p + 2 * R);
+  };
+  if (specserve::pool::dynamic()) {
+    parallel_for(0, n_items, 1, [&](int64_t b, int64_t e) {
+      ItemScratch<T>& scratch = item_scratch<T>();
+      for (int64_t k = b; k < e; ++k) attend_item(order[k], scratch.w);
+      scratch.trim();
+    });
+  } else {
+    std::vector<std::vector<int64_t>> mine(threads);
+    std::vector<int64_t> load(threads, 0);
+    for (int64_t item : order) {
+      const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+      mine[t].push_back(item);
+      load[t] += cost[item];
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+      AttendScratch<T> w;
+      for (int64_t t = b; t < e; ++t)
+        for (int64_t item : mine[t]) attend_item(item, w);
+    });
   }
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    AttendScratch<T> w;
-    for (int64_t t = b; t < e; ++t)
-      for (int64_t item : mine[t]) {
-        const int64_t gs = item / KVH, kvh = item % KVH, i = tile_of[gs];
-        const int64_t t0 = tile_start[i], nt = tile_start[i + 1] - t0, R = nt * group;
-        float* p = part(gs, kvh);
-        const auto [ka, kb] = seg_range(i, gs - first[i]);
-        attend_keys(c, t0, nt, kvh, ka, kb, w, p, p + R, p + 2 * R);
-      }
-  });
-  at::parallel_for(0, n_tiles * KVH, 1, [&](int64_t b, int64_t e) {
+  parallel_for(0, n_tiles * KVH, 1, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t i = item / KVH, kvh = item % KVH;
       const int64_t R = (tile_start[i + 1] - tile_start[i]) * group;

@@ -32,7 +32,6 @@
 // -ffp-contract=off so the compiler never fuses a multiply-add in one code path and not in
 // another.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -40,7 +39,11 @@
 #include <cstring>
 #include <vector>
 
+#include "pool.h"
+
 namespace {
+
+using specserve::pool::parallel_for;
 
 constexpr int64_t QK = 32;
 
@@ -101,7 +104,7 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx, i
 }
 
 // Per-call scratch for the quantized activations, kept per calling thread so a decode step's
-// 121 projections allocate nothing (the OpenMP workers only read it).
+// 121 projections allocate nothing (the pool's workers only read it).
 struct QuantRows {
   std::vector<int8_t> xq;  // [M, K]
   std::vector<float> dx;   // [M, KB] block scales
@@ -121,7 +124,7 @@ const QuantRows& quantize_rows(const at::Tensor& x) {
   float* dp = q.dx.data();
   float* sp = q.sx.data();
   int32_t* ip = q.xs.data();
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       quantize_row(xp + i * K, K, qp + i * K, dp + i * KB, sp + i * KB, ip + i * KB);
   });
@@ -627,14 +630,15 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
                 N,
                 static_cast<int>(rows_per_pass)};
   // Split over groups of 8 output features only: a row's sums never depend on the thread split.
+  // About 4 chunks a thread, claimed as threads come free (kernels/csrc/pool.h).
   const int64_t threads = at::get_num_threads();
   if (isa == kAvx512Vnni) {
     const int64_t pairs = (G + 1) / 2;
-    at::parallel_for(0, pairs, std::max<int64_t>(1, pairs / (4 * threads)),
-                     [&](int64_t p0, int64_t p1) { run_avx512(job, G, p0, p1); });
+    specserve::pool::parallel_for(0, pairs, std::max<int64_t>(1, pairs / (4 * threads)),
+                                  [&](int64_t p0, int64_t p1) { run_avx512(job, G, p0, p1); });
   } else {
-    const int64_t grain = std::max<int64_t>(2, G / (4 * threads));
-    at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+    const int64_t chunk = std::max<int64_t>(2, G / (4 * threads));
+    specserve::pool::parallel_for(0, G, chunk, [&](int64_t g0, int64_t g1) {
       if (isa == kAvxVnni)
         run_vnni(job, g0, g1);
       else
@@ -647,9 +651,11 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 bool block_isa_supported(int64_t isa) { return isa_supported(isa); }
 
 void register_fused(pybind11::module& mod);  // fused.cpp
+void register_pool(pybind11::module& mod);   // pool.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   register_fused(mod);
+  register_pool(mod);
   mod.def("block_linear", &block_linear,
           "y = x @ W^T for Q4_1 (m given) or Q8_0 (m None) block weights, int8 activations; "
           "kernel = 32 * isa + rows per pass");
