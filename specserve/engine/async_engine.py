@@ -25,6 +25,12 @@ preempted one at their next barrier. A non-streaming request needs nothing befor
 it costs the forward passes nothing until then; a streaming one costs one wake-up per step, shared
 by every stream that step fed.
 
+One OpenMP team in the process: the constructor hands back the calling thread's OpenMP team
+(``openmp_team.release_openmp_team``; why: see there), so the engine thread's team is the only
+one and spins at its barriers as an in-process ``LLMEngine.generate``'s does. The constructing
+thread must not run torch ops afterwards (that would make a new team); the event loop and the
+text worker run none.
+
 Invariant: every request the engine thread accepted gets exactly one finished output (done,
 aborted by a client, or aborted at shutdown); a consumer that stops early aborts its request, and
 the engine frees its KV blocks before its next step.
@@ -45,6 +51,7 @@ from typing import Any
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.openmp_team import release_openmp_team
 from specserve.engine.outputs import OutputMerger, RequestOutput
 from specserve.engine.request_stream import ACCEPTED as _ACCEPTED
 from specserve.engine.request_stream import RequestStream
@@ -121,6 +128,8 @@ class AsyncEngine:
             # The first encode may configure the tokenizer (truncation/padding state); do it
             # here, before any other thread uses it, so later encodes and decodes only read it.
             engine.encode("warm-up")
+        if engine.device.type == "cpu":
+            release_openmp_team()  # the engine thread's team is to be the only one
 
     # ---- lifecycle (event loop) ---------------------------------------------------------
 
