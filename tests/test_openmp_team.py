@@ -4,6 +4,8 @@ spinning workers instead of workers that sleep and wake at every region.
 
 Counted, not timed, in a fresh interpreter (other tests' threads keep teams of their own):
 voluntary context switches of the process over 200 parallel regions run by a second thread.
+sentencepiece is imported first when installed: its wheel bundles a libgomp of its own, loaded
+before torch's, as in a server that has loaded its tokenizer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ import pytest
 import torch
 
 SCRIPT = r"""
-import os, sys, threading, torch
+import os, sys, threading
+try:
+    import sentencepiece  # noqa: F401  (a second libgomp, as a server's tokenizer loads it)
+except ImportError:
+    pass
+import torch
 from specserve.engine.openmp_team import release_openmp_team
 
 def switches():

@@ -17,21 +17,24 @@ import ctypes
 
 
 def release_openmp_team() -> bool:
-    """Frees the calling thread's OpenMP thread team (``omp_pause_resource_all``, libgomp only:
-    it frees just this thread's pool; Intel's runtime would stop every team). False where the
-    process has no libgomp loaded or the call failed."""
+    """Frees the calling thread's OpenMP thread team in every libgomp the process has loaded
+    (``omp_pause_resource_all``: in libgomp it frees just the calling thread's pool). Wheels
+    bundle their own copies (torch's, sentencepiece's), and only torch's runs the kernels, so
+    each copy is asked. Intel's runtime is left alone (there it would stop every team). False
+    where no libgomp is loaded or no call succeeded."""
     try:
         with open("/proc/self/maps") as f:
             maps = f.read()
     except OSError:
         return False
-    path = next((fields[-1] for fields in map(str.split, maps.splitlines())
-                 if len(fields) >= 6 and "/libgomp" in fields[-1]), None)
-    if path is None:
-        return False
-    try:
-        pause = ctypes.CDLL(path).omp_pause_resource_all  # the loaded copy: dlopen reuses it
-    except (OSError, AttributeError):
-        return False
-    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-    return pause(2) == 0  # omp_pause_hard
+    paths = {fields[-1] for fields in map(str.split, maps.splitlines())
+             if len(fields) >= 6 and "/libgomp" in fields[-1]}
+    released = False
+    for path in sorted(paths):
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all  # the loaded copy: dlopen reuses it
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        released |= pause(2) == 0  # omp_pause_hard
+    return released
