@@ -78,12 +78,14 @@ class _Stream:
     error: str | None = None
 
 
-def _finish(s: _Stream, target: Target, start_s: float) -> RequestResult:
+def _finish(s: _Stream, target: Target, start_s: float, mode: str) -> RequestResult:
     end = time.perf_counter()
     n = int((s.usage or {}).get("completion_tokens", 0))
-    error = s.error or _check(s, target, n)
-    ttft = (s.times[0] if s.times else end) - s.t0
     t = s.timings or {}
+    error = s.error or _check(s, target, n)
+    if error is None and mode == "off" and t.get("num_drafted"):  # plain means plain
+        error = f"{t['num_drafted']} tokens drafted with speculation off"
+    ttft = (s.times[0] if s.times else end) - s.t0
     return RequestResult(
         ok=error is None, error=error, start_s=start_s, ttft_s=ttft, e2e_s=end - s.t0,
         itl_s=[b - a for a, b in zip(s.times, s.times[1:])],
@@ -124,7 +126,7 @@ async def sse_request(session: aiohttp.ClientSession, target: Target, prompt: st
         async with session.post(target.url + path, json=body, headers=target.headers()) as resp:
             if resp.status != 200:
                 s.error = f"HTTP {resp.status}: {one_line(await resp.text())}"
-                return _finish(s, target, start_s)
+                return _finish(s, target, start_s, mode)
             async for line in resp.content:
                 if not line.startswith(b"data: "):
                     continue
@@ -135,7 +137,7 @@ async def sse_request(session: aiohttp.ClientSession, target: Target, prompt: st
                 _sse_event(s, json.loads(payload), target.endpoint)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         s.error = f"{type(exc).__name__}: {one_line(str(exc))}"
-    return _finish(s, target, start_s)
+    return _finish(s, target, start_s, mode)
 
 
 def _sse_event(s: _Stream, obj: dict, endpoint: str) -> None:
@@ -205,7 +207,7 @@ class WsClient:
             s.error = f"{type(exc).__name__}: {one_line(str(exc))}"
         finally:
             self.queues.pop(cid, None)
-        return _finish(s, self.target, start_s)
+        return _finish(s, self.target, start_s, mode)
 
     async def close(self) -> None:
         await self.ws.close()

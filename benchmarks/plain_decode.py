@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.report import publish, results_section, run_info  # noqa: E402
+from benchmarks.report import check_plain, publish, results_section, run_info  # noqa: E402
 from specserve.core.config import EngineConfig  # noqa: E402
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -56,9 +56,8 @@ def time_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> t
     outs = engine.generate(prompts, params, SpeculativeParams(method="off"))
     dt = time.perf_counter() - t0
     for o in outs:
-        if o.num_output_tokens != new_tokens or o.timings.num_drafted:
-            raise SystemExit(f"not plain decoding: {o.timings.num_drafted} tokens drafted, "
-                             f"{o.num_output_tokens} generated (want 0 and {new_tokens})")
+        check_plain(o.timings.num_drafted, "plain_decode")
+        assert o.num_output_tokens == new_tokens
     return dt, [o.token_ids for o in outs]
 
 

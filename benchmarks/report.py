@@ -45,6 +45,15 @@ class RunInfo:
                 f"{self.transformers}; commit {self.commit}")
 
 
+def check_plain(num_drafted: int, what: str) -> None:
+    """Plain decoding means speculation off: a "plain" answer that drafted anything (the
+    engine's default method is auto) makes the benchmark stop instead of timing the wrong
+    thing."""
+    if num_drafted:
+        raise BenchError(f"{what}: {num_drafted} tokens drafted in a plain (speculation off) "
+                         "run: it must send speculative off")
+
+
 def run_info(argv: list[str], program: str = "python -m benchmarks") -> RunInfo:
     import torch
     import transformers

@@ -23,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
+from benchmarks.report import check_plain  # noqa: E402
 from specserve.core.config import EngineConfig  # noqa: E402
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -41,8 +42,7 @@ def step_seconds(engine: LLMEngine, steps: int) -> float:
         t0 = time.perf_counter()
         (out,) = engine.step()
         times.append(time.perf_counter() - t0)
-    if out.timings.num_drafted:
-        raise SystemExit(f"not plain decoding: {out.timings.num_drafted} tokens drafted")
+    check_plain(out.timings.num_drafted, "step_overhead")
     return statistics.median(times)
 
 
