@@ -6,7 +6,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is speculative decoding? Answer in two sentences.
 
-.PHONY: install chromium serve generate test test-fast lint bench clean
+
+.PHONY: install chromium serve generate test test-fast lint bench llama-server clean
 
 $(BIN)/specserve: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -58,6 +59,12 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/plain_decode.py
+
+# llama.cpp's llama-server and llama-bench, the baseline of benchmarks/server_overhead.py and
+# benchmarks/vs_llamacpp.py: built once (~15 min on 2 cores) under ~/.cache/specserve/llama.cpp.
+# Optional: nothing in specserve needs it.
+llama-server: install
+	$(BIN)/python benchmarks/llama_server.py build
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -40,7 +40,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    RESULTS_MD,
+    check_plain,
+    results_section,
+    run_info,
+    write_section,
+)
 from specserve.core.config import EngineConfig  # noqa: E402
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -66,7 +72,7 @@ def run(engine, waves, params, method, k):
     outs = []
     for prompts in waves:
         outs += engine.generate(prompts, params, SpeculativeParams(method=method, num_tokens=k))
-    return _summary(outs, time.perf_counter() - t0)
+    return _summary(outs, time.perf_counter() - t0, method)
 
 
 def run_streams(engine, prompts, streams, params, method, k):
@@ -90,12 +96,14 @@ def run_streams(engine, prompts, streams, params, method, k):
             merged[out.request_id].add(out)
             if out.finished and pending:
                 submit()
-    return _summary([m.take() for m in merged.values()], time.perf_counter() - t0)
+    return _summary([m.take() for m in merged.values()], time.perf_counter() - t0, method)
 
 
-def _summary(outs, dt: float) -> dict:
+def _summary(outs, dt: float, method: str) -> dict:
     tokens = sum(o.num_output_tokens for o in outs)
     drafted = sum(o.timings.num_drafted for o in outs)
+    if method == "off":
+        check_plain(drafted, "ab.py off")
     accepted = sum(o.timings.num_accepted for o in outs)
     steps = sum(o.timings.num_verify_steps for o in outs)
     return {

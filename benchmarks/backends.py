@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
-from benchmarks.report import BenchError
+from benchmarks.report import BenchError, check_plain
 
 LLAMACPP = "llama.cpp"
 
@@ -54,6 +54,8 @@ class EngineBackend:
         out = self.engine.generate([prompt], params, SpeculativeParams(self.name, self.k))[0]
         dt = time.perf_counter() - t0
         t = out.timings
+        if self.name == "off":
+            check_plain(t.num_drafted, "this engine, speculation off")
         return Generation(list(out.token_ids), dt, t.ttft_ms, t.num_drafted, t.num_accepted,
                           t.num_verify_steps)
 

@@ -78,12 +78,14 @@ class _Stream:
     error: str | None = None
 
 
-def _finish(s: _Stream, target: Target, start_s: float) -> RequestResult:
+def _finish(s: _Stream, target: Target, start_s: float, mode: str) -> RequestResult:
     end = time.perf_counter()
     n = int((s.usage or {}).get("completion_tokens", 0))
-    error = s.error or _check(s, target, n)
-    ttft = (s.times[0] if s.times else end) - s.t0
     t = s.timings or {}
+    error = s.error or _check(s, target, n)
+    if error is None and mode == "off" and t.get("num_drafted"):  # plain means plain
+        error = f"{t['num_drafted']} tokens drafted with speculation off"
+    ttft = (s.times[0] if s.times else end) - s.t0
     return RequestResult(
         ok=error is None, error=error, start_s=start_s, ttft_s=ttft, e2e_s=end - s.t0,
         itl_s=[b - a for a, b in zip(s.times, s.times[1:])],
@@ -124,7 +126,7 @@ async def sse_request(session: aiohttp.ClientSession, target: Target, prompt: st
         async with session.post(target.url + path, json=body, headers=target.headers()) as resp:
             if resp.status != 200:
                 s.error = f"HTTP {resp.status}: {one_line(await resp.text())}"
-                return _finish(s, target, start_s)
+                return _finish(s, target, start_s, mode)
             async for line in resp.content:
                 if not line.startswith(b"data: "):
                     continue
@@ -135,7 +137,7 @@ async def sse_request(session: aiohttp.ClientSession, target: Target, prompt: st
                 _sse_event(s, json.loads(payload), target.endpoint)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         s.error = f"{type(exc).__name__}: {one_line(str(exc))}"
-    return _finish(s, target, start_s)
+    return _finish(s, target, start_s, mode)
 
 
 def _sse_event(s: _Stream, obj: dict, endpoint: str) -> None:
@@ -205,11 +207,87 @@ class WsClient:
             s.error = f"{type(exc).__name__}: {one_line(str(exc))}"
         finally:
             self.queues.pop(cid, None)
-        return _finish(s, self.target, start_s)
+        return _finish(s, self.target, start_s, mode)
 
     async def close(self) -> None:
         await self.ws.close()
         await self.reader
+
+
+@dataclass
+class Completion:
+    """One ``/v1/completions`` answer as a client saw it, from either server: specserve's
+    (drafts counted in ``timings.num_drafted``) or llama-server's (``timings.draft_n``, absent
+    when nothing was drafted)."""
+
+    text: str
+    prompt_tokens: int
+    output_tokens: int
+    drafted: int
+    accepted: int
+    seconds: float  # send -> the whole answer (the last SSE event)
+    finish_reason: str | None
+
+
+def completion_body(prompt: str, max_tokens: int, *, server: str, mode: str = "off",
+                    ignore_eos: bool = True) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` body. ``server`` "specserve": ``mode`` is its per-request
+    ``speculative.method`` (its suffix-cache tenant comes from the API key the request sends);
+    "llama": llama-server runs what its flags say (``--spec-type``) and takes ``ignore_eos``
+    and ``n_predict`` as ours takes ``ignore_eos`` and ``max_tokens``."""
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                            "ignore_eos": ignore_eos}
+    if server == "specserve":
+        body["speculative"] = {"method": mode}
+    elif server == "llama":
+        body["n_predict"] = max_tokens
+    else:
+        raise ValueError(f"server must be specserve or llama (got {server!r})")
+    return body
+
+
+async def complete(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                   stream: bool = False, headers: dict[str, str] | None = None) -> Completion:
+    """POST /v1/completions as JSON or SSE (``stream``); raises ``RuntimeError`` on an HTTP
+    error, an error event or a stream without its usage."""
+    body = {**body, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    t0 = time.perf_counter()
+    parts: list[str] = []
+    last: dict = {}
+    reason = None
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {one_line(await resp.text())}")
+        if not stream:
+            last = await resp.json()
+            parts = [c.get("text", "") for c in last.get("choices", [])]
+            reason = (last.get("choices") or [{}])[0].get("finish_reason")
+        else:
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    break
+                obj = json.loads(payload)
+                if "error" in obj:
+                    raise RuntimeError(f"error event: {one_line(str(obj['error']))}")
+                for choice in obj.get("choices") or []:
+                    parts.append(choice.get("text") or "")
+                    reason = choice.get("finish_reason") or reason
+                last = {"usage": obj.get("usage") or last.get("usage"),
+                        "timings": obj.get("timings") or last.get("timings")}
+    seconds = time.perf_counter() - t0
+    usage, timings = last.get("usage"), last.get("timings") or {}
+    if not usage:
+        raise RuntimeError("the answer carries no usage")
+    return Completion(
+        "".join(parts), int(usage.get("prompt_tokens", 0)),
+        int(usage.get("completion_tokens", 0)),
+        int(timings.get("num_drafted", timings.get("draft_n", 0))),
+        int(timings.get("num_accepted", timings.get("draft_n_accepted", 0))), seconds, reason)
 
 
 def one_line(text: str) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.report import publish, results_section, run_info  # noqa: E402
+from benchmarks.report import check_plain, publish, results_section, run_info  # noqa: E402
 from specserve.core.config import EngineConfig  # noqa: E402
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -47,8 +47,10 @@ def measure(engine: LLMEngine, context: int, steps: int) -> tuple[float, float]:
     first = None
     while engine.has_unfinished():
         t0 = time.perf_counter()
-        engine.step()
+        outs = engine.step()  # (a prefill chunk short of the prompt's end returns none)
         dt = time.perf_counter() - t0
+        for out in outs:
+            check_plain(out.timings.num_drafted, "context_scaling")
         if first is None:
             first = dt  # the prefill step (with the prompt split in chunks: their sum)
         else:

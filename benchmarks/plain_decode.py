@@ -2,7 +2,12 @@
 same weights, prompts and dtype. Writes a section of benchmarks/RESULTS.md.
 
     python benchmarks/plain_decode.py [--model PATH] [--dtype float32] [--new-tokens 128]
-        [--batch-sizes 1,8,32] [--repeats 3] [--no-write]
+        [--batch-sizes 1,8,32] [--repeats 3] [--draft-model none] [--no-write]
+
+Plain means plain: every request of ours runs with ``speculative: off`` (the engine's default is
+``auto``, which with EOS ignored drafts the model's repetitive continuations), and every output's
+timings must say ``num_drafted == 0`` or the run stops. No draft model is loaded unless
+``--draft-model`` names one (a loaded draft slows plain decoding; see RESULTS.md).
 
 Batch 1 is timed for both; for B > 1 this engine runs B concurrent sequences (continuous
 batching) and transformers runs one left-padded batch of B. Every configuration generates exactly
@@ -24,9 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.report import publish, results_section, run_info  # noqa: E402
+from benchmarks.report import check_plain, publish, results_section, run_info  # noqa: E402
 from specserve.core.config import EngineConfig  # noqa: E402
-from specserve.core.sampling_params import SamplingParams  # noqa: E402
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 
@@ -48,9 +53,11 @@ def hf_reference_model(engine: LLMEngine):
 def time_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    outs = engine.generate(prompts, params, SpeculativeParams(method="off"))
     dt = time.perf_counter() - t0
-    assert all(o.num_output_tokens == new_tokens for o in outs)
+    for o in outs:
+        check_plain(o.timings.num_drafted, "plain_decode")
+        assert o.num_output_tokens == new_tokens
     return dt, [o.token_ids for o in outs]
 
 
@@ -79,11 +86,15 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--hf-max-batch", type=int, default=8, help="largest batch run through HF")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--draft-model", default="none",
+                    help="none (default) | a path | default (the shipped draft): loaded, unused")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads [default: torch's]")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, draft_model="none",
-                                    quantization=args.quantization))
+    draft = None if args.draft_model == "default" else args.draft_model
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, draft_model=draft,
+                                    quantization=args.quantization, num_threads=args.threads))
     hf = hf_reference_model(engine)
     texts = json.loads((ROOT / "prompts" / "chat.json").read_text())
     chats = [engine.encode(engine.render_chat([{"role": "user", "content": t}])) for t in texts]
@@ -134,8 +145,9 @@ def main() -> int:
         f"Model `{engine.model_path.split('/')[-1]}`, dtype {args.dtype}, quantization "
         f"{engine.quantization} (transformers: float32 on the weights dequantized from the same "
         f"file), "
-        f"{args.new_tokens} new tokens per sequence (EOS ignored), chat prompts from "
-        f"benchmarks/prompts/chat.json, median of {args.repeats} runs. "
+        f"{args.new_tokens} new tokens per sequence (EOS ignored), speculation off (every "
+        f"output's num_drafted 0), draft model {engine.config.draft_model or 'none'}, chat "
+        f"prompts from benchmarks/prompts/chat.json, median of {args.repeats} runs. "
         f"Greedy batch-1 tokens identical to transformers: {rows[0]['greedy_identical']}"
         f"{'' if engine.quantization == 'none' else ' (not expected: int8 activations)'}.",
         lines,

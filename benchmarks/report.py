@@ -45,6 +45,15 @@ class RunInfo:
                 f"{self.transformers}; commit {self.commit}")
 
 
+def check_plain(num_drafted: int, what: str) -> None:
+    """Plain decoding means speculation off: a "plain" answer that drafted anything (the
+    engine's default method is auto) makes the benchmark stop instead of timing the wrong
+    thing."""
+    if num_drafted:
+        raise BenchError(f"{what}: {num_drafted} tokens drafted in a plain (speculation off) "
+                         "run: it must send speculative off")
+
+
 def run_info(argv: list[str], program: str = "python -m benchmarks") -> RunInfo:
     import torch
     import transformers
@@ -62,6 +71,27 @@ def run_info(argv: list[str], program: str = "python -m benchmarks") -> RunInfo:
         command=f"{program} {shlex.join(argv)}".rstrip(),
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
+
+
+def lscpu_summary() -> str:
+    """The lines of ``lscpu`` a timing depends on (model, cores, threads per core, caches,
+    flags that pick kernels), as one line; "" where lscpu is missing."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    keep = ("Model name", "CPU(s)", "Thread(s) per core", "Core(s) per socket", "L2 cache",
+            "L3 cache", "Hypervisor vendor")
+    fields = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in keep and key.strip() not in fields:
+            fields[key.strip()] = " ".join(value.split())
+    flags = set(next((ln.split(":", 1)[1].split() for ln in out.splitlines()
+                      if ln.startswith("Flags:")), []))
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
+    parts = [f"{k} {fields[k]}" for k in keep if k in fields]
+    return "; ".join(parts + ([f"flags {' '.join(isa)}"] if isa else []))
 
 
 def _commit() -> str:

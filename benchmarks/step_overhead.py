@@ -23,22 +23,26 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
+from benchmarks.report import check_plain  # noqa: E402
 from specserve.core.config import EngineConfig  # noqa: E402
-from specserve.core.sampling_params import SamplingParams  # noqa: E402
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def step_seconds(engine: LLMEngine, steps: int) -> float:
     text = json.loads((ROOT / "prompts" / "chat.json").read_text())[0]
     ids = engine.encode(engine.render_chat([{"role": "user", "content": text}]))
+    # Plain decode steps: the default (auto) would make some of them multi-row verifies.
     engine.add_request("overhead", ids, SamplingParams(max_tokens=steps + 1, temperature=0.0,
-                                                       ignore_eos=True))
+                                                       ignore_eos=True),
+                       SpeculativeParams(method="off"))
     times = []
     engine.step()  # prefill
     while engine.has_unfinished():
         t0 = time.perf_counter()
-        engine.step()
+        (out,) = engine.step()
         times.append(time.perf_counter() - t0)
+    check_plain(out.timings.num_drafted, "step_overhead")
     return statistics.median(times)
 
 

@@ -8,10 +8,28 @@ Threading contract (``LLMEngine`` is not thread-safe):
     receives token ids, so a huge prompt never stalls the other streams' steps, and the loop
     stays free. The tokenizer releases the GIL while it encodes. One worker serialises every
     encode; the engine thread only decodes (read-only on the tokenizer);
-  - the engine thread hands results back with ``loop.call_soon_threadsafe``: one call per step
-    carrying every (request id, item) pair, where an item is a ``RequestOutput``, the
-    ``_ACCEPTED`` acknowledgement of an add, or the exception the add raised;
+  - the engine thread wakes the event loop only when a client has something to read. A
+    streaming request's outputs are handed over after every step; a non-streaming one's are
+    merged on the engine thread and handed over once, when it finishes (or fails). What a step
+    makes readable goes into one mailbox, and the loop is woken by one
+    ``loop.call_soon_threadsafe`` per step at most, none when nothing is readable, none while
+    an earlier wake-up is still pending (the loop then takes both steps' items at once). An
+    item is a ``RequestOutput``, the ``_ACCEPTED`` acknowledgement of an add, or the exception
+    the add raised;
   - the per-request stream registry lives on the event loop only, so no dict is shared.
+
+Why the loop is woken so rarely: on a machine whose cores all run the kernels' threads, every
+wake-up of the loop (and of the handler tasks it resumes) takes a core from a forward pass in
+flight and the GIL from the engine thread, and the kernels' other threads then wait for the
+preempted one at their next barrier. A non-streaming request needs nothing before its end, so
+it costs the forward passes nothing until then; a streaming one costs one wake-up per step, shared
+by every stream that step fed.
+
+One OpenMP team in the process: the constructor hands back the calling thread's OpenMP team
+(``openmp_team.release_openmp_team``; why: see there), so the engine thread's team is the only
+one and spins at its barriers as an in-process ``LLMEngine.generate``'s does. The constructing
+thread must not run torch ops afterwards (that would make a new team); the event loop and the
+text worker run none.
 
 Invariant: every request the engine thread accepted gets exactly one finished output (done,
 aborted by a client, or aborted at shutdown); a consumer that stops early aborts its request, and
@@ -33,11 +51,13 @@ from typing import Any
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.openmp_team import release_openmp_team
 from specserve.engine.outputs import OutputMerger, RequestOutput
+from specserve.engine.request_stream import ACCEPTED as _ACCEPTED
+from specserve.engine.request_stream import RequestStream
 
 log = logging.getLogger(__name__)
 
-_ACCEPTED = object()  # item: the engine thread took the request
 _STOP = object()  # command: abort everything and leave the loop
 
 
@@ -76,98 +96,7 @@ class _Add:
     params: SamplingParams
     speculative: SpeculativeParams | None
     clamp_max_tokens: bool
-
-
-class RequestStream:
-    """Async iterator over one request's outputs (deltas); the last one has ``finished`` set.
-
-    The engine's deltas are merged while they wait (``OutputMerger``), so a reader that falls
-    behind gets one output carrying everything it has not read yet: what the stream holds is
-    bounded by what its client has not taken, never one queued object per engine step.
-
-    Use it as ``async with stream:``; leaving the block (normally, by an exception or by task
-    cancellation) before the final output aborts the request.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._pending = OutputMerger()
-        self._error: BaseException | None = None
-        self._wake = asyncio.Event()
-        self._accepted_fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.finished = False
-        self._closed = False
-
-    @property
-    def buffered_tokens(self) -> int:
-        """Output tokens delivered by the engine and not yet read."""
-        return self._pending.num_tokens
-
-    def _put(self, item: Any) -> None:
-        """Event loop only: an output (merged into what is pending), the acknowledgement of the
-        add, or an exception (the add failed, or the engine failed afterwards)."""
-        if item is _ACCEPTED:
-            if not self._accepted_fut.done():
-                self._accepted_fut.set_result(None)
-            return
-        if isinstance(item, BaseException):
-            if not self._accepted_fut.done():
-                self._accepted_fut.set_exception(item)
-            elif self._error is None:
-                self._error = item
-        else:
-            self._pending.add(item)
-        self._wake.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        while not self._pending and self._error is None:
-            self._wake.clear()
-            await self._wake.wait()
-        out = self._pending.take()
-        if out is None:  # what was delivered has been read; then the error
-            self.finished = True
-            self.close()
-            assert self._error is not None
-            raise self._error
-        if out.finished:
-            self.finished = True
-            self.close()
-        return out
-
-    async def _accepted(self) -> None:
-        try:
-            await self._accepted_fut
-        except BaseException:
-            self.finished = True
-            self.close()
-            raise
-
-    def _forget_acceptance(self) -> None:
-        """The add as a whole failed: nobody will await this acknowledgement any more."""
-        fut = self._accepted_fut
-        if fut.done():
-            fut.exception()  # marks a failure as retrieved
-        else:
-            fut.cancel()
-
-    def close(self) -> None:
-        """Idempotent; aborts the request in the engine if it has not finished."""
-        if self._closed:
-            return
-        self._closed = True
-        self._engine._release(self.request_id, abort=not self.finished)
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
+    stream: bool  # False: hand over one merged output at the end (see the module docstring)
 
 
 class AsyncEngine:
@@ -187,11 +116,20 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.stats = EngineStats()
         self._step_failures = 0  # engine thread only
+        # Non-streaming requests' outputs, merged until they finish (engine thread only).
+        self._held: dict[str, OutputMerger] = {}
+        # Items for the loop, and whether a wake-up to take them is already on its way.
+        self._mail: list[tuple[str, Any]] = []
+        self._mail_posted = False
+        self._mail_lock = threading.Lock()
+        self._stopped = asyncio.Event()  # set on the loop once the thread has ended
         self._text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-text")
         if engine.tokenizer is not None:
             # The first encode may configure the tokenizer (truncation/padding state); do it
             # here, before any other thread uses it, so later encodes and decodes only read it.
             engine.encode("warm-up")
+        if engine.device.type == "cpu":
+            release_openmp_team()  # the engine thread's team is to be the only one
 
     # ---- lifecycle (event loop) ---------------------------------------------------------
 
@@ -227,6 +165,10 @@ class AsyncEngine:
 
         await asyncio.wait_for(poll(), timeout)
 
+    async def wait_stopped(self) -> None:
+        """Returns once the engine thread has ended (shut down, or died: see ``error``)."""
+        await self._stopped.wait()
+
     def begin_shutdown(self) -> None:
         """Stops admitting and aborts every in-flight request (each stream gets a final output
         with finish_reason "abort"). The thread keeps running until ``shutdown``."""
@@ -253,25 +195,29 @@ class AsyncEngine:
         speculative: SpeculativeParams | None = None,
         *,
         clamp_max_tokens: bool = False,
+        stream: bool = True,
     ) -> RequestStream:
         """Submits a request and waits until the engine thread has accepted it.
 
-        Raises ``InvalidRequestError`` (bad prompt, prompt + max_tokens beyond the context window
-        unless ``clamp_max_tokens`` lowers max_tokens to fit), ``QueueFullError`` or
-        ``EngineUnavailableError``.
+        ``stream`` False: the stream yields one output, the whole answer, when it finishes
+        (nothing wakes the event loop before that). Raises ``InvalidRequestError`` (bad prompt,
+        prompt + max_tokens beyond the context window unless ``clamp_max_tokens`` lowers
+        max_tokens to fit), ``QueueFullError`` or ``EngineUnavailableError``.
         """
         return (await self.add_requests([(request_id, prompt, params, speculative)],
-                                        clamp_max_tokens=clamp_max_tokens))[0]
+                                        clamp_max_tokens=clamp_max_tokens, stream=stream))[0]
 
     async def add_requests(
         self,
         requests: list[tuple[str, str | list[int], SamplingParams, SpeculativeParams | None]],
         *,
         clamp_max_tokens: bool = False,
+        stream: bool = True,
     ) -> list[RequestStream]:
         """Admits several requests all-or-nothing against the queue bound (n > 1, batched
         prompts); if one is rejected the others are aborted and the error is raised. Text
-        prompts are tokenized on the text worker first (each distinct prompt object once)."""
+        prompts are tokenized on the text worker first (each distinct prompt object once).
+        ``stream``: as in ``add_request``."""
         if not self.ready:
             raise EngineUnavailableError(f"the engine is not ready ({self.state})")
         encoded: dict[int, list[int]] = {}
@@ -293,10 +239,11 @@ class AsyncEngine:
                 for s in streams:
                     s.close()
                 raise InvalidRequestError(f"request id {rid!r} is already running", param="id")
-            stream = RequestStream(self, rid)
-            self._streams[rid] = stream
-            streams.append(stream)
-            self._commands.put(("add", _Add(rid, prompt, params, spec, clamp_max_tokens)))
+            rs = RequestStream(self, rid)
+            self._streams[rid] = rs
+            streams.append(rs)
+            self._commands.put(("add", _Add(rid, prompt, params, spec, clamp_max_tokens,
+                                            stream)))
         try:
             for s in streams:
                 await s._accepted()
@@ -342,7 +289,11 @@ class AsyncEngine:
         if abort:
             self._commands.put(("abort", request_id))
 
-    def _deliver(self, items: list[tuple[str, Any]]) -> None:
+    def _deliver(self) -> None:
+        """Loop side of the mailbox: everything the engine thread has posted since the last
+        wake-up, in order."""
+        with self._mail_lock:
+            items, self._mail, self._mail_posted = self._mail, [], False
         for rid, item in items:
             stream = self._streams.get(rid)
             if stream is not None:
@@ -353,15 +304,49 @@ class AsyncEngine:
 
     def _fail_all(self) -> None:
         """The thread has exited: whoever still waits gets an error instead of hanging."""
+        self._deliver()  # what the last steps posted comes first
         reason = f"engine failed: {self.error!r}" if self.error else "the engine has stopped"
         for stream in list(self._streams.values()):
             stream._put(EngineUnavailableError(reason))
+        self._stopped.set()
 
     # ---- the engine thread --------------------------------------------------------------
 
     def _post(self, items: list[tuple[str, Any]]) -> None:
-        if items and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, items)
+        """Puts a step's readable items in the mailbox; wakes the loop unless a wake-up is
+        already pending (it will take these too)."""
+        if not items:
+            return
+        with self._mail_lock:
+            self._mail.extend(items)
+            if self._mail_posted:
+                return
+            self._mail_posted = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._deliver)
+
+    def _emit(self, items: list[tuple[str, Any]], out: RequestOutput) -> None:
+        """A step's (or an abort's) output for one request: a streaming request's goes to the
+        loop now; a non-streaming one's is merged and goes when it is the last."""
+        rid = out.request_id
+        held = self._held.get(rid)
+        if held is None:
+            items.append((rid, self._snapshot(out)))
+            return
+        held.add(out)
+        if out.finished:
+            del self._held[rid]
+            merged = held.take()
+            assert merged is not None
+            items.append((rid, self._snapshot(merged)))
+
+    def _release_held(self, items: list[tuple[str, Any]], rid: str) -> None:
+        """What a non-streaming request holds goes to the loop before its error."""
+        held = self._held.pop(rid, None)
+        merged = held.take() if held is not None else None
+        if merged is not None:
+            items.append((rid, self._snapshot(merged)))
 
     def _run(self) -> None:
         try:
@@ -398,14 +383,15 @@ class AsyncEngine:
                 for rid in list(engine.requests):
                     out = engine.abort(rid)
                     if out is not None:
-                        items.append((rid, self._snapshot(out)))
+                        self._emit(items, out)
             elif engine.has_unfinished():
                 try:
                     outs = engine.step()
                 except Exception as exc:  # a fault in this step: fail its requests, go on
                     items.extend(self._fail_step(exc))
                 else:
-                    items.extend((o.request_id, self._snapshot(o)) for o in outs)
+                    for out in outs:
+                        self._emit(items, out)
             self._publish_stats()
             self._post(items)
 
@@ -418,19 +404,25 @@ class AsyncEngine:
         items: list[tuple[str, Any]] = []
         for seq in list(self.engine.scheduler.running):
             self.engine.abort(seq.request_id)
+            self._release_held(items, seq.request_id)
             items.append((seq.request_id, error))
         return items
 
     def _apply(self, cmd: tuple[str, Any]) -> list[tuple[str, Any]]:
         kind, arg = cmd
+        items: list[tuple[str, Any]] = []
         if kind == "abort":
             out = self.engine.abort(arg)
-            return [] if out is None else [(arg, self._snapshot(out))]
+            if out is not None:
+                self._emit(items, out)
+            return items
         assert kind == "add"
         try:
             self._add(arg)
         except Exception as exc:  # InvalidRequestError and friends go back to the caller
             return [(arg.request_id, exc)]
+        if not arg.stream:
+            self._held[arg.request_id] = OutputMerger()
         return [(arg.request_id, _ACCEPTED)]
 
     def _add(self, req: _Add) -> None:

@@ -26,9 +26,9 @@ from specserve.engine.async_engine import (
     EngineStepError,
     EngineUnavailableError,
     QueueFullError,
-    RequestStream,
 )
 from specserve.engine.outputs import RequestOutput
+from specserve.engine.request_stream import RequestStream
 from specserve.server import protocol as P
 from specserve.server.deadlines import Deadline, DeadlineTimer, RequestTimeoutError, before_deadline
 from specserve.server.metrics import ServerMetrics
@@ -153,12 +153,14 @@ class Server:
 
     async def admit(self, job: Job, tenant: str = "") -> list[RequestStream]:
         """``tenant``: the caller's API-key tenant (``tenant_of``); speculation drafts only
-        from that tenant's cached outputs."""
+        from that tenant's cached outputs. A non-streaming job's streams yield one output
+        each, at its end (the engine does not wake the event loop before)."""
         spec = replace(job.spec or SpeculativeParams(), tenant=tenant)
         reqs = [(f"{job.id}-{i}", prompt, params, spec)
                 for i, (prompt, params) in enumerate(job.seqs)]
         return await before_deadline(
-            job.deadline, self.engine.add_requests(reqs, clamp_max_tokens=job.clamp),
+            job.deadline,
+            self.engine.add_requests(reqs, clamp_max_tokens=job.clamp, stream=job.stream),
             self.metrics.observe_timeout)
 
     async def outputs(
@@ -167,28 +169,39 @@ class Server:
         """Merges the streams as (choice index, output), feeding the latency metrics; closing
         it (or cancelling its consumer) aborts every unfinished stream. At the ``deadline``
         the unfinished streams are aborted; after their final ("abort") outputs it raises
-        ``RequestTimeoutError``."""
+        ``RequestTimeoutError``. One stream (the usual case) is read directly, without a
+        task per output."""
         last = [time.perf_counter()] * len(streams)
-        pending = {asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)}
+        pending: dict[asyncio.Future, int] = {}
         timer = DeadlineTimer(deadline, lambda: [self.engine.abort(s.request_id)
                                                  for s in streams])
         cut = False
+
+        def seen(i: int, out: RequestOutput) -> None:
+            nonlocal cut
+            now = time.perf_counter()
+            if out.timings.ttft_ms is not None and out.num_output_tokens > len(out.token_ids):
+                self.metrics.observe_gap(now - last[i], len(out.token_ids))
+            last[i] = now
+            if out.finished:
+                self.metrics.observe_finished(out)
+                cut |= deadline is not None and deadline.cut(out)
+
         try:
+            if len(streams) == 1:
+                async for out in streams[0]:
+                    seen(0, out)
+                    yield 0, out
+            else:
+                pending.update({asyncio.ensure_future(s.__anext__()): i
+                                for i, s in enumerate(streams)})
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for fut in sorted(done, key=pending.__getitem__):
                     i = pending.pop(fut)
                     out = fut.result()
-                    now = time.perf_counter()
-                    if out.timings.ttft_ms is not None and out.num_output_tokens > len(
-                        out.token_ids
-                    ):
-                        self.metrics.observe_gap(now - last[i], len(out.token_ids))
-                    last[i] = now
-                    if out.finished:
-                        self.metrics.observe_finished(out)
-                        cut |= deadline is not None and deadline.cut(out)
-                    else:
+                    seen(i, out)
+                    if not out.finished:
                         pending[asyncio.ensure_future(streams[i].__anext__())] = i
                     yield i, out
             if cut:

@@ -185,9 +185,11 @@ async def _on_startup(app: web.Application) -> None:
 async def _exit_when_engine_dies(engine: AsyncEngine, grace_s: float = 1.0) -> None:
     """``run_server`` only: once the engine thread has died (``/health`` is 503 and in-flight
     requests got their error), wait ``grace_s`` for handlers to write those errors, then stop
-    the server as SIGTERM would; ``specserve serve`` then exits 1 so a supervisor restarts it."""
-    while engine.error is None:
-        await asyncio.sleep(0.1)
+    the server as SIGTERM would; ``specserve serve`` then exits 1 so a supervisor restarts it.
+    It sleeps until the thread ends (no polling: the loop stays asleep between requests)."""
+    await engine.wait_stopped()
+    if engine.error is None:  # a clean shutdown
+        return
     log.error("engine_dead", error=repr(engine.error))
     await asyncio.sleep(grace_s)
     os.kill(os.getpid(), signal.SIGTERM)

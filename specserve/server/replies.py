@@ -15,12 +15,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from specserve.engine.async_engine import (
-    EngineStepError,
-    EngineUnavailableError,
-    RequestStream,
-)
+from specserve.engine.async_engine import EngineStepError, EngineUnavailableError
 from specserve.engine.outputs import OutputMerger, RequestOutput
+from specserve.engine.request_stream import RequestStream
 from specserve.server import protocol as P
 from specserve.server.api import Job, Server, error_of
 from specserve.server.deadlines import RequestTimeoutError
