@@ -21,14 +21,12 @@ from benchmarks.report import BenchError, lscpu_summary
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.llm_engine import LLMEngine
 from specserve.server.server_config import ServerConfig
-from tests.test_server import PROMPTS, ServerThread, build_tiny, engine_config
+from tests.helpers.servers import PROMPTS, ServerThread, engine_config
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("bench_servers_tiny"))
-    build_tiny(path)
-    return path
+def tiny(model_dir) -> str:
+    return model_dir
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,7 @@ import threading
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.async_engine import AsyncEngine
 from specserve.engine.llm_engine import LLMEngine
-from tests.test_server import (  # noqa: F401  (model_dir, offline are fixtures)
-    PROMPTS,
-    engine_config,
-    model_dir,
-    offline,
-    reference,
-)
+from tests.helpers.servers import PROMPTS, engine_config, reference
 
 N = 24  # tokens per answer
 

@@ -5,13 +5,12 @@ directly; a forward over a layout equals a forward over the same inputs built by
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig
 
 from specserve.kernels.metadata import AttentionMetadata
 from specserve.target.layout import Chunk, build_layout
 from specserve.target.loader import build_model
 from specserve.target.model_runner import ModelRunner
-from tests.test_engine import BASE, build_model_dir
+from tests.helpers.tiny_models import BASE, build_tiny_model, tiny_config
 
 
 def test_worked_example():
@@ -35,7 +34,7 @@ def test_worked_example():
 
 
 def test_run_over_a_layout_equals_forward_by_hand(tmp_path):
-    build_model_dir(LlamaConfig(**BASE), tmp_path)
+    build_tiny_model(tmp_path, tiny_config())
     cfg, model = build_model(tmp_path, torch.float32, "cpu")
     runner = ModelRunner(cfg, model, num_blocks=16, block_size=4, dtype=torch.float32,
                          device="cpu", attn_backend="torch")

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from specserve.cli import add_engine_args, engine_config_from_args
 from specserve.core.config import EngineConfig
@@ -30,7 +29,8 @@ from specserve.engine.resolve import (
 )
 from specserve.kernels.registry import available_backends
 from specserve.target.loader import read_weights
-from tests.test_engine import BASE, build_model_dir, prompts
+from tests.helpers.reference import prompts
+from tests.helpers.tiny_models import BASE, build_tiny_model, tiny_config
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -38,7 +38,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
-    build_model_dir(LlamaConfig(**BASE), path)
+    build_tiny_model(path, tiny_config())
     return str(path)
 
 
