@@ -77,7 +77,8 @@ def load() -> ModuleType:
         log.warning("%s; keeping the default thread policy", exc)
         policy = None
     if policy is not None:
-        module.set_thread_policy(policy.spin_us, policy.wait_us, policy.openmp)
+        module.set_thread_policy(policy.spin_us, policy.wait_us, policy.openmp, policy.threads,
+                                 policy.chunks)
     return module
 
 

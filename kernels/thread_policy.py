@@ -12,15 +12,22 @@ it is measured, not fixed:
   until they are done.
 - ``openmp``: torch's OpenMP pool (a static split ending at a team barrier) instead: the old
   schedule, kept so that a measurement can compare against it in the same run.
+- ``chunks``: the chunks per thread a projection is cut into (finer balance against more
+  claims on one shared counter).
+- ``threads``: the pool's team (the caller and ``threads - 1`` workers); 0, the default, follows
+  ``torch.get_num_threads()``. A team of its own lets an engine run torch's own ops on one
+  thread while the kernels run on several: after an elementwise op on a row of logits (49152
+  floats: an OpenMP region), torch's workers spin for milliseconds (libgomp's default), taking
+  a core from the pool's.
 
 None of these changes a bit of any result; they only move time. ``SPECSERVE_THREAD_POLICY``
-(``openmp`` or ``spin_us=N,wait_us=N``) sets the policy for a process when the extension loads,
-so a server can be run under one without code; ``choose`` times the candidates on a step
-the caller provides, with and without a thread that wakes every few milliseconds (the event
-loop's stand-in), and caches the choice per machine. An engine at start-up would call
-``choose(lambda: <a one-token decode forward of its model>, cache_root() / "tune",
-<the model's shape>)`` once its kernels are tuned; ``benchmarks/thread_policy.py`` measures the
-same choice end to end (in process, beside a waking thread, and through the server).
+(``openmp`` or ``spin_us=N,wait_us=N,threads=N``) sets the policy for a process when the
+extension loads, so a server can be run under one without code; ``choose`` times the
+candidates on a step the caller provides, with and without a thread that wakes every few
+milliseconds (the event loop's stand-in), and caches the choice per machine. An engine at
+start-up would call ``choose(lambda: <a one-token decode forward of its model>, cache_root() /
+"tune", <the model's shape>)`` once its kernels are tuned; ``benchmarks/thread_policy.py``
+measures the same choice end to end (in process, beside a waking thread, through the server).
 """
 
 from __future__ import annotations
@@ -51,33 +58,45 @@ class ThreadPolicy:
     spin_us: int = 200  # an idle worker's poll before it sleeps (-1: never sleeps)
     wait_us: int = 50  # the caller's poll for running chunks before it sleeps (-1: never)
     openmp: bool = False  # torch's OpenMP static split instead of the pool
+    threads: int = 0  # the pool's team; 0: torch.get_num_threads()
+    chunks: int = 4  # chunks per thread of a projection
 
     def __post_init__(self) -> None:
         if self.spin_us < -1 or self.wait_us < -1:
             raise ValueError(f"spin_us and wait_us must be >= 0 microseconds or -1 (never "
                              f"sleep); got {self.spin_us}, {self.wait_us}")
+        if not 0 <= self.threads <= 1024:
+            raise ValueError(f"threads must be in 0..1024 (0: torch's number of threads); got "
+                             f"{self.threads}")
+        if not 1 <= self.chunks <= 64:
+            raise ValueError(f"chunks (per thread) must be in 1..64; got {self.chunks}")
 
     @property
     def name(self) -> str:
-        return "openmp" if self.openmp else f"spin_us={self.spin_us},wait_us={self.wait_us}"
+        if self.openmp:
+            return "openmp"
+        extra = f",chunks={self.chunks}" if self.chunks != ThreadPolicy.chunks else ""
+        extra += f",threads={self.threads}" if self.threads else ""
+        return f"spin_us={self.spin_us},wait_us={self.wait_us}{extra}"
 
     @classmethod
     def parse(cls, text: str) -> ThreadPolicy:
-        """``openmp`` or ``spin_us=N,wait_us=N`` (either may be left out: the default)."""
+        """``openmp`` or ``spin_us=N,wait_us=N,chunks=N,threads=N`` (any may be left out:
+        the default)."""
         text = text.strip()
         if text == "openmp":
             return cls(openmp=True)
         fields: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
-            if not sep or key not in ("spin_us", "wait_us"):
+            if not sep or key not in ("spin_us", "wait_us", "chunks", "threads"):
                 raise ValueError(f"thread policy {text!r}: expected 'openmp' or "
-                                 f"'spin_us=N,wait_us=N' (got {part!r})")
+                                 f"'spin_us=N,wait_us=N,threads=N' (got {part!r})")
             try:
                 fields[key] = int(value)
             except ValueError:
-                raise ValueError(f"thread policy {text!r}: {key} must be an integer number of "
-                                 f"microseconds (got {value!r})") from None
+                raise ValueError(f"thread policy {text!r}: {key} must be an integer "
+                                 f"(got {value!r})") from None
         return cls(**fields)
 
 
@@ -94,12 +113,13 @@ CANDIDATES = (
 
 def apply(policy: ThreadPolicy) -> None:
     """Sets the policy for every later region of the process (no result changes)."""
-    quant_ext.load().set_thread_policy(policy.spin_us, policy.wait_us, policy.openmp)
+    quant_ext.load().set_thread_policy(policy.spin_us, policy.wait_us, policy.openmp,
+                                       policy.threads, policy.chunks)
 
 
 def current() -> ThreadPolicy:
-    spin_us, wait_us, openmp = quant_ext.load().thread_policy()
-    return ThreadPolicy(spin_us, wait_us, openmp)
+    spin_us, wait_us, openmp, threads, chunks = quant_ext.load().thread_policy()
+    return ThreadPolicy(spin_us, wait_us, openmp, threads, chunks)
 
 
 def from_env() -> ThreadPolicy | None:

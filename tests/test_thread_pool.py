@@ -132,14 +132,19 @@ def test_a_region_does_not_wait_for_a_worker_that_has_not_started(default_model,
     assert by_workers_after > by_workers  # workers took chunks again once released
 
 
-@pytest.mark.parametrize("p", [ThreadPolicy(), ThreadPolicy(spin_us=-1, wait_us=-1),
-                               ThreadPolicy(spin_us=0, wait_us=0), ThreadPolicy(openmp=True)],
-                         ids=lambda p: p.name)
-def test_every_wait_policy_gives_the_one_thread_bits(default_model, one_thread, p):
+@pytest.mark.parametrize("p, torch_n", [
+    (ThreadPolicy(), 2), (ThreadPolicy(spin_us=-1, wait_us=-1), 2),
+    (ThreadPolicy(spin_us=0, wait_us=0), 2), (ThreadPolicy(openmp=True), 2),
+    (ThreadPolicy(threads=3), 1)], ids=lambda v: v.name if isinstance(v, ThreadPolicy) else v)
+def test_every_wait_policy_gives_the_one_thread_bits(default_model, one_thread, p, torch_n):
+    """Polling or sleeping, OpenMP's split, and a team of its own (3 pool threads while
+    torch's ops run on 1): the one-thread bits."""
     cfg, model = default_model
-    with torch_threads(2), policy(p):
+    with torch_threads(torch_n), policy(p):
         for f in FORMS:
             assert torch.equal(_logits(cfg, model, f), one_thread[f])
+        if p.threads:
+            assert ext.pool_stats()[0] == p.threads - 1
 
 
 def test_steps_under_a_burned_core_and_a_waking_thread_are_bit_identical(default_model,
@@ -189,13 +194,15 @@ def test_a_process_starts_with_the_default_or_the_env_policy():
     assert _policy_in_fresh_process(None) == thread_policy.DEFAULT.name
     assert _policy_in_fresh_process("spin_us=7,wait_us=-1") == "spin_us=7,wait_us=-1"
     assert _policy_in_fresh_process("openmp") == "openmp"
+    assert _policy_in_fresh_process("threads=2") == ThreadPolicy(threads=2).name
     assert _policy_in_fresh_process("fast") == thread_policy.DEFAULT.name
 
 
 def test_policy_round_trip_and_env(monkeypatch):
     for text, want in (("openmp", ThreadPolicy(openmp=True)),
                        ("spin_us=-1, wait_us=0", ThreadPolicy(spin_us=-1, wait_us=0)),
-                       ("wait_us=7", ThreadPolicy(wait_us=7))):
+                       ("wait_us=7", ThreadPolicy(wait_us=7)),
+                       ("threads=3", ThreadPolicy(threads=3))):
         assert ThreadPolicy.parse(text) == want
         with policy(want):
             assert thread_policy.current() == want
@@ -208,6 +215,8 @@ def test_policy_round_trip_and_env(monkeypatch):
         ThreadPolicy.parse("spin_us=fast")
     with pytest.raises(ValueError, match=">= 0 microseconds or -1"):
         ThreadPolicy(spin_us=-2)
+    with pytest.raises(ValueError, match="threads must be in 0..1024"):
+        ThreadPolicy(threads=-1)
     with pytest.raises(RuntimeError, match="must be >= 0 microseconds, or -1"):
         ext.set_thread_policy(-5, 0, False)
 
@@ -234,3 +243,19 @@ def test_choose_times_the_candidates_and_caches(tmp_path):
         assert thread_policy.choose(step, tmp_path, "test", candidates) == best  # cached
         assert not calls and thread_policy.current() == best
     thread_policy.apply(before)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policies", "spin=3"], "--policies: thread policy 'spin=3': expected 'openmp' or"),
+    (["--omp", "lazy"], "--omp takes default, passive, active or VAR=value"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--no-in-process"], "--no-in-process leaves nothing to time without --server"),
+])
+def test_thread_policy_benchmark_rejects_bad_flags_with_one_line(args, message):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "thread_policy.py"), *args,
+                           "--no-write"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -171,6 +171,35 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
+// r += x, row by row, in place (the residual stream): torch's add_ would run a prefill chunk's
+// rows as an OpenMP region, whose workers then spin beside the pool's.
+void add_rows_(at::Tensor& r, const at::Tensor& x) {
+  check_rows(r, "residual");
+  check_rows(x, "x");
+  TORCH_CHECK(r.sizes() == x.sizes(), "residual and x must have the same shape");
+  const int64_t T = r.size(0), K = r.size(1);
+  float* rp = r.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+    for (int64_t i = b * K; i < e * K; ++i) rp[i] = rp[i] + xp[i];
+  });
+}
+
+// Columns [c0, c0 + n) of x [T, W] as a new contiguous [T, n] tensor (q out of the fused qkv
+// output; .contiguous() would copy a prefill chunk in an OpenMP region).
+at::Tensor copy_columns(const at::Tensor& x, int64_t c0, int64_t n) {
+  check_rows(x, "x");
+  const int64_t T = x.size(0), W = x.size(1);
+  TORCH_CHECK(c0 >= 0 && n >= 0 && c0 + n <= W, "columns out of range");
+  at::Tensor y = at::empty({T, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) std::copy(xp + t * W + c0, xp + t * W + c0 + n, yp + t * n);
+  });
+  return y;
+}
+
 // Query rows are taken in tiles of up to ``tile`` consecutive positions of one sequence (the
 // attention kernel's second part, measured per machine); a tile and one KV head's query heads
 // read each key and value row once. Each query row still computes its own scores, max, sum and
@@ -828,7 +857,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     run_tiles.push_back((run_start[r + 1] - run_start[r] + tile - 1) / tile);
     total += run_tiles.back();
   }
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = specserve::pool::team_size();
   if ((total * KVH) % threads != 0 && total * KVH < 4 * threads)
     for (int64_t r = 0; r < n_runs; ++r)
       run_tiles[r] = std::min(run_start[r + 1] - run_start[r], 2 * run_tiles[r]);
@@ -1041,13 +1070,13 @@ void decoder_layer_(at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2,
   const at::Tensor k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
   const at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
   write_kv(k, v, k_cache, v_cache, slot_mapping);
-  const at::Tensor q = qkv.narrow(1, 0, H * D).contiguous().view({T, H, D});
+  const at::Tensor q = copy_columns(qkv, 0, H * D).view({T, H, D});
   const at::Tensor o = paged_attention(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale,
                                        window, form);
   const at::Tensor a = block_linear(o.view({T, H * D}), o_qs, o_d, o_m, o_b, rpp[1]);
   const at::Tensor x = add_rms_norm_(a, h, ln2, eps);
   const at::Tensor gu = block_linear(x, gu_qs, gu_d, gu_m, gu_b, rpp[2]);
-  h.add_(block_linear(silu_mul(gu), dn_qs, dn_d, dn_m, dn_b, rpp[3]));
+  add_rows_(h, block_linear(silu_mul(gu), dn_qs, dn_d, dn_m, dn_b, rpp[3]));
 }
 
 // Every decoder layer of a model in one call per step. Thirty Python calls of decoder_layer_

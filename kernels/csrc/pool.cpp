@@ -78,7 +78,7 @@ class Pool {
  public:
   void run(int64_t begin, int64_t end, int64_t chunk, ChunkFn fn, const void* ctx) {
     int64_t n = (end - begin + chunk - 1) / chunk;
-    const int64_t team = std::min<int64_t>(at::get_num_threads(), kMaxWorkers + 1);
+    const int64_t team = std::min<int64_t>(team_size(), kMaxWorkers + 1);
     if (t_in_region || team <= 1 || n <= 1) return fn(ctx, begin, end);
     std::unique_lock<std::mutex> lock(caller_, std::try_to_lock);
     if (!lock.owns_lock()) return fn(ctx, begin, end);  // another thread's region is running
@@ -96,13 +96,16 @@ class Pool {
     done_.store(0, std::memory_order_relaxed);
     publish(static_cast<uint32_t>(n));
     t_in_region = true;
-    work(caller_chunks_);
+    const uint32_t mine = work<false>(caller_chunks_);
     t_in_region = false;
     regions_.fetch_add(1, std::memory_order_relaxed);
+    // done_ counts the workers' chunks only (the caller's own need no shared increment) until
+    // the caller sleeps: then it adds its own, and the worker that brings done_ to n wakes it.
     const uint32_t total = static_cast<uint32_t>(n);
-    auto finished = [&] { return done_.load(std::memory_order_acquire) == total; };
+    auto finished = [&] { return done_.load(std::memory_order_acquire) + mine == total; };
     if (!poll(finished, wait_us_.load(std::memory_order_relaxed))) {
       caller_sleeping_.store(1, std::memory_order_seq_cst);
+      done_.fetch_add(mine, std::memory_order_seq_cst);
       for (uint32_t d; (d = done_.load(std::memory_order_seq_cst)) != total;)
         futex_wait(&done_, d);
       caller_sleeping_.store(0, std::memory_order_relaxed);
@@ -114,10 +117,20 @@ class Pool {
     spin_us_.store(p.spin_us);
     wait_us_.store(p.wait_us);
     openmp_.store(p.openmp);
+    threads_.store(p.threads);
+    chunks_.store(p.chunks);
   }
 
-  Policy policy() const { return Policy{spin_us_.load(), wait_us_.load(), openmp_.load()}; }
+  Policy policy() const {
+    return Policy{spin_us_.load(), wait_us_.load(), openmp_.load(), threads_.load(),
+                  chunks_.load()};
+  }
+  int64_t chunks_per_thread() const { return chunks_.load(std::memory_order_relaxed); }
   bool dynamic() const { return !openmp_.load(std::memory_order_relaxed); }
+  int64_t team_size() const {
+    const int64_t t = threads_.load(std::memory_order_relaxed);
+    return t > 0 && dynamic() ? t : at::get_num_threads();
+  }
 
   // (workers started, regions run here, chunks the callers ran, chunks the workers ran)
   std::vector<int64_t> stats() {
@@ -147,13 +160,15 @@ class Pool {
   }
 
   // Claims and runs chunks until none is left, counting them in `ran` (before each is
-  // reported done, so a caller that saw the region done sees the counts).
-  void work(std::atomic<int64_t>& ran) {
-    for (;;) {
+  // reported done, so a caller that saw the region done sees the counts); returns how many it
+  // ran. Workers (kWorker) report each chunk done; the caller keeps its own count.
+  template <bool kWorker>
+  uint32_t work(std::atomic<int64_t>& ran) {
+    for (uint32_t mine = 0;; ++mine) {
       const uint64_t s = claim_.fetch_add(kNextOne, std::memory_order_acq_rel);
       const uint32_t next = static_cast<uint32_t>(s >> 16) & 0xFFFF;
       const uint32_t n = static_cast<uint32_t>(s) & 0xFFFF;
-      if (next >= n) return;
+      if (next >= n) return mine;
       const int64_t b = begin_ + next * chunk_;
       try {
         fn_(ctx_, b, std::min(end_, b + chunk_));
@@ -162,7 +177,7 @@ class Pool {
         if (!error_) error_ = std::current_exception();
       }
       ran.store(ran.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-      if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == n &&
+      if (kWorker && done_.fetch_add(1, std::memory_order_seq_cst) + 1 == n &&
           caller_sleeping_.load(std::memory_order_seq_cst))
         futex_wake_all(&done_);
     }
@@ -185,7 +200,7 @@ class Pool {
         while (hold_.load()) std::this_thread::yield();
         parked_.fetch_sub(1);
       }
-      work(me->chunks);
+      work<true>(me->chunks);
     }
   }
 
@@ -222,6 +237,8 @@ class Pool {
   std::vector<std::unique_ptr<Worker>> workers_;
   std::atomic<int64_t> spin_us_{200}, wait_us_{50};
   std::atomic<bool> openmp_{false};
+  std::atomic<int64_t> threads_{0};
+  std::atomic<int64_t> chunks_{4};
   std::atomic<bool> hold_{false};
   std::atomic<int64_t> parked_{0};
   std::atomic<int64_t> regions_{0}, caller_chunks_{0};
@@ -252,6 +269,8 @@ Pool& instance() {
 void set_policy(const Policy& p) { instance().set_policy(p); }
 Policy policy() { return instance().policy(); }
 bool dynamic() { return instance().dynamic(); }
+int64_t team_size() { return instance().team_size(); }
+int64_t chunks_per_thread() { return instance().chunks_per_thread(); }
 
 void run(int64_t begin, int64_t end, int64_t chunk, ChunkFn fn, const void* ctx) {
   instance().run(begin, end, chunk, fn, ctx);
@@ -266,20 +285,26 @@ void register_pool(pybind11::module& mod) {
   namespace pool = specserve::pool;
   mod.def(
       "set_thread_policy",
-      [](int64_t spin_us, int64_t wait_us, bool openmp) {
+      [](int64_t spin_us, int64_t wait_us, bool openmp, int64_t threads, int64_t chunks) {
         TORCH_CHECK(spin_us >= -1 && wait_us >= -1,
                     "spin_us and wait_us must be >= 0 microseconds, or -1 (never sleep); got ",
                     spin_us, ", ", wait_us);
-        pool::set_policy(pool::Policy{spin_us, wait_us, openmp});
+        TORCH_CHECK(threads >= 0 && threads <= 1024, "threads must be in 0..1024 (0: torch's "
+                    "number of threads); got ", threads);
+        TORCH_CHECK(chunks >= 1 && chunks <= 64, "chunks (per thread) must be in 1..64; got ",
+                    chunks);
+        pool::set_policy(pool::Policy{spin_us, wait_us, openmp, threads, chunks});
       },
       "How the kernels' parallel regions run: idle workers poll spin_us before sleeping, the "
       "caller polls wait_us for running chunks before sleeping (-1: never sleep); openmp: "
-      "at::parallel_for's static split instead of the pool",
-      pybind11::arg("spin_us"), pybind11::arg("wait_us"), pybind11::arg("openmp") = false);
+      "at::parallel_for's static split instead of the pool; threads: the pool's team (0: "
+      "torch.get_num_threads()); chunks: chunks per thread of a projection",
+      pybind11::arg("spin_us"), pybind11::arg("wait_us"), pybind11::arg("openmp") = false,
+      pybind11::arg("threads") = 0, pybind11::arg("chunks") = 4);
   mod.def("thread_policy", [] {
     const pool::Policy p = pool::policy();
-    return std::make_tuple(p.spin_us, p.wait_us, p.openmp);
-  }, "(spin_us, wait_us, openmp) now in force");
+    return std::make_tuple(p.spin_us, p.wait_us, p.openmp, p.threads, p.chunks);
+  }, "(spin_us, wait_us, openmp, threads, chunks) now in force");
   mod.def("pool_stats", [] { return pool::stats(); },
           "(workers started, regions run on the pool, chunks run by callers, by workers)");
   mod.def("pool_hold_workers", [](bool hold) { pool::hold_workers(hold); },

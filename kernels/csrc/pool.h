@@ -20,8 +20,13 @@
 //            sleeps until the last one is done (-1: never sleeps).
 //   openmp   run every region through at::parallel_for instead (the old static split, kept
 //            for same-run comparisons: benchmarks/thread_policy.py).
-// The team is torch.get_num_threads() (the engine's --num-threads): the caller and n - 1
-// workers, started on first use and resized when that number changes.
+//   threads  the team: the caller and threads - 1 workers, started on first use and resized
+//            when the number changes; 0 (the default): torch.get_num_threads() (the engine's
+//            --num-threads). A number of its own lets torch's ops run on one thread while the
+//            kernels run on several: torch's OpenMP workers, woken by an elementwise op on a
+//            vocabulary of logits, spin for milliseconds after it beside the pool's.
+//   chunks   chunks per thread a projection is cut into (more: finer balance, more claims).
+// The kernels size their chunks by team_size() and chunks_per_thread().
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -36,11 +41,15 @@ struct Policy {
   int64_t spin_us;
   int64_t wait_us;
   bool openmp;
+  int64_t threads;
+  int64_t chunks;
 };
 
 void set_policy(const Policy& p);
 Policy policy();
-bool dynamic();  // regions run on this pool (not OpenMP)
+bool dynamic();               // regions run on this pool (not OpenMP)
+int64_t team_size();          // threads a region runs on (the caller included)
+int64_t chunks_per_thread();  // how finely a projection is cut
 
 // fn(ctx, b, e) over [begin, end) in chunks of `chunk` (the last one shorter), claimed
 // dynamically by the caller and the workers.

@@ -630,14 +630,16 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
                 N,
                 static_cast<int>(rows_per_pass)};
   // Split over groups of 8 output features only: a row's sums never depend on the thread split.
-  // About 4 chunks a thread, claimed as threads come free (kernels/csrc/pool.h).
-  const int64_t threads = at::get_num_threads();
+  // A few chunks a thread (the policy's chunks per thread), claimed as threads come free
+  // (kernels/csrc/pool.h); under the openmp policy one static piece a thread, as before.
+  const int64_t cuts = specserve::pool::team_size() *
+                       (specserve::pool::dynamic() ? specserve::pool::chunks_per_thread() : 4);
   if (isa == kAvx512Vnni) {
     const int64_t pairs = (G + 1) / 2;
-    specserve::pool::parallel_for(0, pairs, std::max<int64_t>(1, pairs / (4 * threads)),
+    specserve::pool::parallel_for(0, pairs, std::max<int64_t>(1, pairs / cuts),
                                   [&](int64_t p0, int64_t p1) { run_avx512(job, G, p0, p1); });
   } else {
-    const int64_t chunk = std::max<int64_t>(2, G / (4 * threads));
+    const int64_t chunk = std::max<int64_t>(2, G / cuts);
     specserve::pool::parallel_for(0, G, chunk, [&](int64_t g0, int64_t g1) {
       if (isa == kAvxVnni)
         run_vnni(job, g0, g1);
