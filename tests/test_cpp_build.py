@@ -1,5 +1,6 @@
 """kernels/cpp_build.py: a cached build is imported without the builder; an unusable one (a
-build cut short) is rebuilt, never a failure."""
+build cut short) is rebuilt, never a failure; a lock left by a killed build does not hang the
+next one."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ def test_cached_build_is_imported_and_a_broken_one_rebuilt(tmp_path, monkeypatch
     build = tmp_path / "build"
     build.mkdir()
     (build / "specserve_test_two.so").write_bytes(b"not a shared object")
+    (build / "lock").write_text("")  # torch's lock file, as a killed build leaves it
     module = cpp_build.load_extension("specserve_test_two", [src], build, ["-O1"])
-    assert module.two() == 2  # rebuilt over the broken file
+    assert module.two() == 2  # rebuilt over the broken file, past the stale lock
+    assert not (build / "lock").exists()
 
     from torch.utils import cpp_extension
 
