@@ -7,8 +7,8 @@
 working tree as it is (uncommitted changes included). A named revision is checked out into a
 temporary ``git worktree`` (removed at the end), so the comparison never touches this checkout.
 Nothing is installed: each tree's server is ``python -m specserve serve`` run from that tree's
-root with PYTHONPATH unset, so it imports its own code from the shared environment, whatever the
-package layout of that commit. Both servers run with the same flags (by default none: the
+root through ``tools/checkout.py``, so it imports its own code from the shared environment
+whichever checkout is installed. Both servers run with the same flags (by default none: the
 default model and the default speculation) and are started one after the other, so neither's
 first-start kernel tuning runs while the other loads the CPU.
 
@@ -63,6 +63,7 @@ from benchmarks.report import (  # noqa: E402
     write_json,
     write_results_section,
 )
+from tools import checkout as checkout_tool  # noqa: E402
 
 WORKLOADS = ("chat", "rewrite", "code", "summarize")
 MODES = (None, "off")  # None: the server's default speculation (no `speculative` field)
@@ -171,12 +172,14 @@ def default_old() -> str:
 
 
 class TreeServer(LaunchedServer):
-    """``specserve serve`` run from ``tree``'s root with PYTHONPATH unset: ``python -m`` puts the
-    root first on sys.path, so the process imports that tree's package, not an installed one."""
+    """``specserve serve`` of ``tree``'s code (tools/checkout.py, PYTHONPATH unset), not the
+    installed checkout's."""
 
     def __init__(self, tree: Tree, flags: list[str], log_path: Path, timeout: float) -> None:
         super().__init__(flags, log_path, timeout)
-        self.command = ["env", "-u", "PYTHONPATH", "-C", str(tree.path), *self.command]
+        assert self.command[1:3] == ["-m", "specserve"], self.command
+        self.command = ["env", "-u", "PYTHONPATH", "-C", str(tree.path), *checkout_tool.command(
+            tree.path), *self.command[1:]]
 
 
 # --- answers -------------------------------------------------------------------------------------

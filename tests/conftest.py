@@ -23,6 +23,10 @@ own tmp folders.
 Markers (registered in pyproject.toml, ``--strict-markers``): ``e2e`` spawns a server or a
 subprocess, or drives a real client over HTTP; ``browser`` drives Chromium; ``ray`` starts a Ray
 cluster; ``slow`` is the rest of what takes long. ``make test-fast`` runs everything else.
+
+The code under test is this checkout's (``tools/checkout.py``), whichever checkout the
+environment has installed; subprocesses (servers, the CLI) run the installed one, which
+``make test`` makes this checkout.
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fixtures.models import model_dir, models, offline, text_model  # noqa: F401
+from tools import checkout
+
+if "specserve" not in __import__("sys").modules:  # the suite tests THIS checkout's code, even
+    checkout.use(Path(__file__).resolve().parent.parent)  # where another one is installed
+
+from tests.fixtures.models import model_dir, models, offline, text_model  # noqa: E402,F401
 
 _RUN_CACHE = pytest.StashKey[Path]()
 _PREVIOUS = pytest.StashKey[str | None]()

@@ -114,12 +114,19 @@ def test_install_layout_is_one_top_level_package():
 
 
 @pytest.mark.e2e
-def test_a_checkout_imports_its_own_folders(tmp_path):
-    """Run from a checkout (even beside another tree's editable install), specserve.kernels etc.
-    are this checkout's folders. -S: no site-packages, hence no editable install to lean on."""
+def test_a_checkout_runs_its_own_folders(tmp_path):
+    """tools/checkout.py runs this checkout's specserve.kernels etc.; -S: no site-packages, so
+    no installed finder could answer instead (and the package itself changes no import path:
+    without the tool, the folders are not found)."""
     code = ("import specserve.kernels, specserve.target, specserve.draft, specserve.distill as d; "
             "print(d.__file__)")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, check=True).stdout
+    script = tmp_path / "where.py"
+    script.write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-S", str(ROOT / "tools" / "checkout.py"), str(ROOT),
+                          str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True).stdout
     assert Path(out.strip()) == ROOT / "distill" / "__init__.py"
+    bare = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path,
+                          env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    assert bare.returncode != 0 and "specserve.kernels" in bare.stderr
