@@ -395,7 +395,7 @@ def test_ngram_replay_counts_target_steps_exactly():
     continuation takes ceil(L / (k + 1)) steps (the last step never drafts past the end), an
     empty rule takes L, and an output that copies its prompt after one new token takes two
     undrafted steps, then one step per k + 1 tokens."""
-    from benchmarks.ngram_replay import no_edit_fallback, replay
+    from benchmarks.probes.ngram_replay import no_edit_fallback, replay
 
     prompt, output = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17]
     full = prompt + output
@@ -422,9 +422,9 @@ def test_ngram_replay_counts_target_steps_exactly():
 
 
 def test_oracle_proposer_cuts_drafts_to_the_accepted_prefix(tiny):
-    """benchmarks/spec_ceiling.py's oracle: cut by hand-worked cases, then through the engine,
-    where every cut draft must be accepted and the output stay plain decoding's."""
-    from benchmarks.spec_ceiling import OracleProposer
+    """benchmarks/probes/spec_ceiling.py's oracle: cut by hand-worked cases, then through the
+    engine, where every cut draft must be accepted and the output stay plain decoding's."""
+    from benchmarks.probes.spec_ceiling import OracleProposer
     from specserve.core.sampling_params import SamplingParams, SpeculativeParams
     from specserve.draft.base import Proposal, ProposalRequest, StatelessProposer
     from specserve.engine.llm_engine import LLMEngine
