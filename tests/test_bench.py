@@ -340,6 +340,13 @@ def test_percentile_matches_numpy():
     assert (d.n, d.mean, d.p50, d.min, d.max) == (5, 3.0, 3.0, 1.0, 5.0)
 
 
+def test_ratio_cell_gives_the_median_and_range_of_per_round_ratios():
+    """Worked by hand: the median of an even count is the mean of the middle two; one ratio
+    has no range to show."""
+    assert stats.ratio_cell([1.30, 1.10, 1.25, 1.20]) == "1.23x (1.10..1.30)"
+    assert stats.ratio_cell([0.987]) == "0.99x"
+
+
 def test_bootstrap_mean_ci_covers_the_true_mean():
     rng = np.random.default_rng(0)
     sample = rng.normal(10.0, 2.0, size=200).tolist()  # a fixed sample; coverage is below
