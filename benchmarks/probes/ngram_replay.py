@@ -8,8 +8,8 @@ speculation is replayed over it: at each step the proposer drafts from the token
 the drafts agreeing with the real continuation are accepted, and one more token (the target's
 own) is emitted. Greedy speculation emits exactly these tokens, so the count of target steps is
 exact; it depends only on the proposal rule and k, never on the machine's speed. The table shows
-tokens per target step with the rule as shipped and with the edit fallback turned off (the rule
-before it existed), so a change to the rule can be judged on its own. Speed still needs
+tokens per target step with the rule as shipped and with the edit fallback turned off (no draft
+when the last token matches nothing), so the fallback's gain is judged on its own. Speed still needs
 benchmarks/ab.py, since a verify of k + 1 rows costs more than a plain step on most machines.
 """
 
