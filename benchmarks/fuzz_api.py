@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,7 +32,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.report import md_table, out_dir, run_info, write_json, write_results_section  # noqa: E402
+from benchmarks.launched_server import LaunchedServer  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    BenchError,
+    md_table,
+    out_dir,
+    run_info,
+    write_json,
+    write_results_section,
+)
 
 HEADING = "## API fuzzing: schemathesis, long run (benchmarks/fuzz_api.py)"
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,"
@@ -50,30 +55,23 @@ def get(url: str) -> tuple[int, dict]:
         return err.code, json.loads(err.read() or b"{}")
 
 
-def start_server(args: argparse.Namespace, model: str, out: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+def build_tiny(path: str) -> None:
+    """The server tests' model (tests/fixtures/models.py ``model_dir``, same recipe): a tiny
+    random Llama with the built-in model's real tokenizer, cheap to generate with."""
+    from tests.helpers.tiny_models import build_tiny_model, default_tokenizer, tiny_config
+
+    tok = default_tokenizer()
+    cfg = tiny_config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    build_tiny_model(path, cfg, tokenizer=tok)
+
+
+def server_flags(args: argparse.Namespace, model: str) -> list[str]:
     tiny = [] if args.model else ["--dtype", "float32", "--block-size", "4", "--num-kv-blocks",
                                   "1024", "--max-model-len", "256"]
-    cmd = [sys.executable, "-m", "specserve", "serve", "--port", str(port), "--model", model,
-           "--served-model-name", "fuzzed", *tiny, *shlex.split(args.server_args)]
-    log = open(out / "server.log", "wb")  # noqa: SIM115  (the server writes to it until stopped)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}; see {out}/server.log")
-        try:
-            if get(url + "/health")[0] == 200:
-                return proc, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server was not ready after {args.startup_timeout} s")
+    return ["--model", model, "--served-model-name", "fuzzed", *tiny,
+            *shlex.split(args.server_args)]
 
 
 def fuzz(args: argparse.Namespace, url: str, out: Path) -> tuple[dict, float]:
@@ -110,28 +108,21 @@ def main(argv: list[str] | None = None) -> int:
     info = run_info(argv, "python benchmarks/fuzz_api.py")
     model = args.model
     if model is None:
-        from tests.test_server import build_tiny  # the test suite's tiny model, same recipe
-
         model = str(out / "tiny_model")
         if not (Path(model) / "config.json").exists():
             build_tiny(model)
-    proc, url = start_server(args, model, out)
-    try:
-        report, seconds = fuzz(args, url, out)
+    with LaunchedServer(server_flags(args, model), out / "server.log", args.startup_timeout,
+                        root=ROOT, stop_timeout=60) as server:
+        report, seconds = fuzz(args, server.url, out)
         time.sleep(1.0)  # the last case's sequences end at the engine's next step
-        status, health = get(url + "/health")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        status, health = get(server.url + "/health")
     ops, cases = report["operations"], report["test_cases"]
     drained = (status == 200 and health["num_in_flight"] == 0
                and health["kv_blocks_free"] == health["kv_blocks_total"])
     ok = not report["failures"] and not report["errors"] and drained
     write_json(out / "summary.json", {"info": info, "seconds": seconds, "report": report,
-                                      "health_after": health, "server_exit": proc.returncode})
+                                      "health_after": health,
+                                      "server_exit": server.proc.returncode})
     lines = md_table(
         ["operations tested", "test cases generated", "cases with failures", "unique failures",
          "errored", "minutes", "afterwards"],
@@ -156,4 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BenchError as exc:  # the server would not start
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

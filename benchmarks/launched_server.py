@@ -3,6 +3,7 @@ for on ``/health``, stopped with SIGTERM (as a user's Ctrl-C would)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -22,19 +23,27 @@ def free_port() -> int:
 
 
 class LaunchedServer:
-    """``specserve serve`` in a subprocess on a free port; its output goes to ``log_path``."""
+    """``specserve serve`` in a subprocess on a free port; its output goes to ``log_path``.
 
-    def __init__(self, flags: list[str], log_path: Path, timeout: float) -> None:
+    ``root``: run it from that source checkout (its working directory and PYTHONPATH), so it
+    serves that tree's code whatever the caller's directory; by default it runs where the caller
+    does. ``stop_timeout``: seconds a SIGTERM gets to end it before it is killed."""
+
+    def __init__(self, flags: list[str], log_path: Path, timeout: float, root: Path | None = None,
+                 stop_timeout: float = 30.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = [sys.executable, "-m", "specserve", "serve", "--host", "127.0.0.1",
                         "--port", str(self.port), *flags]
         self.log_path, self.timeout = log_path, timeout
+        self.root, self.stop_timeout = root, stop_timeout
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LaunchedServer:
+        env = None if self.root is None else {**os.environ, "PYTHONPATH": str(self.root)}
         with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=self.root, env=env)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -53,7 +62,7 @@ class LaunchedServer:
             return
         self.proc.send_signal(signal.SIGTERM)  # clean shutdown, as a user's Ctrl-C would
         try:
-            self.proc.wait(30)
+            self.proc.wait(self.stop_timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()

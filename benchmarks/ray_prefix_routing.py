@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.launched_server import free_port  # noqa: E402
 from benchmarks.stats import percentile  # noqa: E402
 
 TOPICS = ["billing", "travel", "cooking", "gardening", "astronomy", "chess", "plumbing",
@@ -150,9 +150,7 @@ def main() -> None:
     random.Random(args.seed).shuffle(bodies)
     engine = EngineConfig(model=args.model, speculative_method="off", draft_model="none",
                           num_kv_blocks=args.num_kv_blocks, max_model_len=1024)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = ServerConfig(port=port)
     ray.init(num_cpus=2, object_store_memory=100 * 1024 * 1024, include_dashboard=False,
              log_to_driver=False, runtime_env=ray_serve.source_runtime_env())

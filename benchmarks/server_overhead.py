@@ -53,6 +53,7 @@ from benchmarks.report import (  # noqa: E402
     run_info,
     write_json,
 )
+from benchmarks.stats import ratio_cell  # noqa: E402
 from specserve.core.config import EngineConfig  # noqa: E402
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -115,11 +116,6 @@ async def run_http(session: aiohttp.ClientSession, url: str, server: str, stream
                              f"tokens (want 0 and {new_tokens}): not plain decoding")
     return Batch(sum(a.output_tokens for a in answers), seconds, [a.text for a in answers],
                  [a.prompt_tokens for a in answers])
-
-
-def ratio_cell(values: list[float]) -> str:
-    spread = f" ({min(values):.2f}..{max(values):.2f})" if len(values) > 1 else ""
-    return f"{statistics.median(values):.2f}x{spread}"
 
 
 def tables(runs: dict[tuple[int, str], list[Batch]], widths: list[int],

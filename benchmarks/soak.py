@@ -31,12 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -46,8 +42,19 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.report import fmt, md_table, out_dir, run_info, write_json, write_results_section  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.launched_server import LaunchedServer  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    BenchError,
+    fmt,
+    md_table,
+    out_dir,
+    run_info,
+    write_json,
+    write_results_section,
+)
+from benchmarks.stats import percentile  # noqa: E402
 
 HEADING = "## Soak: mixed abusive traffic (benchmarks/soak.py)"
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a hash map works.",
@@ -283,11 +290,6 @@ async def health(s: aiohttp.ClientSession, url: str) -> dict:
         return await r.json()
 
 
-def percentile(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
-
-
 async def soak(args: argparse.Namespace, url: str, pid: int) -> dict:
     ledger = Ledger(time.monotonic())
     traffic = Traffic(url, ledger, args.seed)
@@ -325,7 +327,8 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> dict:
     for row in per_minute:
         lat = [x for m, x in ledger.latency if m == row["minute"] - 1]
         row.update(started=ledger.started[row["minute"] - 1], completed=len(lat),
-                   p50_s=percentile(lat, 0.5), p99_s=percentile(lat, 0.99))
+                   p50_s=percentile(lat, 50) if lat else None,
+                   p99_s=percentile(lat, 99) if lat else None)
     return {"sent": len(ledger.sent), "outcomes": {c: counts[c] for c in CATEGORIES},
             "duplicated": duplicated, "scenarios": dict(Counter(ledger.sent.values())),
             "server_counted": server_counted(metrics), "kv_blocks_used_after_drain":
@@ -347,35 +350,6 @@ def metric_sum(text: str, name: str, endpoints: tuple[str, ...] | None = None) -
 def server_counted(text: str) -> int:
     """API requests the server's /metrics counted (REST, and each WebSocket request)."""
     return int(metric_sum(text, "specserve_requests_total", _API_ENDPOINTS))
-
-
-def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "specserve", "serve", "--port", str(port),
-           *(["--model", args.model] if args.model else []), *shlex.split(args.server_args)]
-    log = open(log_path, "wb")  # noqa: SIM115  (the server writes to it until stopped)
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root,
-                            env={**os.environ, "PYTHONPATH": str(root)})
-    return proc, f"http://127.0.0.1:{port}"
-
-
-async def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with {proc.returncode} while starting")
-            try:
-                async with s.get(url + "/health") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise SystemExit(f"the server was not ready after {timeout} s")
 
 
 def report(res: dict, args: argparse.Namespace) -> tuple[list[str], bool]:
@@ -422,17 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--minutes must be >= 1 (the first minute is the warm-up)")
     out = out_dir(args.out, "soak")
     info = run_info(argv, "python benchmarks/soak.py")
-    proc, url = start_server(args, out / "server.log")
-    try:
-        asyncio.run(wait_ready(url, proc, args.startup_timeout))
-        res = asyncio.run(soak(args, url, proc.pid))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    res["server_exit_code"] = proc.returncode
+    flags = [*(["--model", args.model] if args.model else []), *shlex.split(args.server_args)]
+    with LaunchedServer(flags, out / "server.log", args.startup_timeout, root=REPO,
+                        stop_timeout=60) as server:
+        res = asyncio.run(soak(args, server.url, server.proc.pid))
+    res["server_exit_code"] = server.proc.returncode
     write_json(out / "soak.json", {"info": info, **res})
     lines, ok = report(res, args)
     print("\n".join(lines))
@@ -448,4 +416,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BenchError as exc:  # the server would not start
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -8,6 +8,7 @@ reproducible from its raw figures.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -154,6 +155,13 @@ def welch(a: Sequence[float], b: Sequence[float]) -> WelchResult:
     dof = float((va + vb) ** 2 / (va**2 / (x.size - 1) + vb**2 / (y.size - 1)))
     half = t_quantile_975(dof) * se
     return WelchResult(Interval(diff, diff - half, diff + half), dof, diff / se)
+
+
+def ratio_cell(ratios: Sequence[float]) -> str:
+    """Ratios measured round by round, as a table cell: their median and range ("1.23x
+    (1.10..1.30)"); one ratio alone has no range."""
+    spread = f" ({min(ratios):.2f}..{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return f"{statistics.median(ratios):.2f}x{spread}"
 
 
 def verdict(ratio: Interval, n: int = 2) -> str:

@@ -8,19 +8,20 @@ server's event loop), and through ``specserve serve``.
         [--no-write]
 
 A policy (kernels/thread_policy.py) is ``openmp`` (torch's OpenMP pool: a static split and a
-team barrier per region, how the kernels ran before their own pool) or the pool's
-``spin_us=N,wait_us=N`` (how long an idle worker polls before it sleeps, how long the caller
-polls for running chunks before it sleeps; -1: never), optionally with ``,threads=N``: the pool's
-team is N while torch's own ops run on one thread (``--num-threads 1`` for the server), so no
-OpenMP worker is left to spin beside the pool's. ``--omp`` names the OpenMP settings the
-process starts with (they only take effect at start): ``default`` (none), ``passive``
-(OMP_WAIT_POLICY=PASSIVE), ``active`` (OMP_WAIT_POLICY=ACTIVE), or VAR=value entries joined by
-``+`` (``GOMP_SPINCOUNT=10000``); they still govern torch's own ops in the pool's runs.
+team barrier per region) or the kernels' own pool's ``spin_us=N,wait_us=N`` (how long an idle
+worker polls before it sleeps, how long the caller polls for running chunks before it sleeps;
+-1: never), optionally with ``,threads=N``: the pool's team is N while torch's own ops run on
+one thread (``--num-threads 1`` for the server), so no OpenMP worker is left to spin beside the
+pool's. ``--omp`` names the OpenMP settings the process starts with (they only take effect at
+start): ``default`` (none), ``passive`` (OMP_WAIT_POLICY=PASSIVE), ``active``
+(OMP_WAIT_POLICY=ACTIVE), or VAR=value entries joined by ``+`` (``GOMP_SPINCOUNT=10000``); they
+still govern torch's own ops in the pool's runs.
 
 Each OpenMP setting runs in a process of its own, in turn, and inside it the policies take turns
 round by round; the server is started once per (setting, policy), in turn. Every number is the
 median tokens/s of its runs, and every ratio is against ``openmp`` under ``default`` in the same
-run (the old behaviour). No policy changes a result: the generated tokens are compared too.
+run (torch's pool with OpenMP's own defaults). No policy changes a result: the generated tokens
+are compared too.
 """
 
 from __future__ import annotations

@@ -70,6 +70,7 @@ from benchmarks.report import (  # noqa: E402
     results_section,
     run_info,
 )
+from benchmarks.stats import ratio_cell  # noqa: E402
 
 HEADING = "## vs llama.cpp"
 STOPS = {"EOS": False, "fixed N": True}  # stop rule -> ignore_eos
@@ -103,10 +104,9 @@ def tok_s(answers: list[Answer]) -> float:
     return sum(a.tokens for a in answers) / sum(a.seconds for a in answers)
 
 
-def ratio_cell(num: list[float], den: list[float]) -> str:
-    r = [a / b for a, b in zip(num, den)]
-    spread = f" ({min(r):.2f}..{max(r):.2f})" if len(r) > 1 else ""
-    return f"{statistics.median(r):.2f}x{spread}"
+def ratio_of(num: list[float], den: list[float]) -> str:
+    """num[i] / den[i] (measured side by side in repeat i) as a table cell."""
+    return ratio_cell([a / b for a, b in zip(num, den)])
 
 
 class Ours:
@@ -233,9 +233,9 @@ def single_table(runs: Runs, systems: list[System], workloads: list[str]) -> lis
             plain = per[f"llama {PLAIN}"]
             default = per.get(f"ours {DEFAULT}")
             rows.append([
-                wl, stop, ratio_cell(per["ours off"], plain) if "ours off" in per else "-",
-                ratio_cell(default, plain) if default else "-",
-                ratio_cell(default, per[best]) if default else "-", best,
+                wl, stop, ratio_of(per["ours off"], plain) if "ours off" in per else "-",
+                ratio_of(default, plain) if default else "-",
+                ratio_of(default, per[best]) if default else "-", best,
                 *(fmt(statistics.median(per[s.name])) for s in llama),
                 *(fmt(statistics.median(per[s.name])) for s in ours)])
     return md_table(headers, rows)
@@ -247,7 +247,7 @@ def streams_table(agg: dict[tuple[str, str], list[float]], workloads: list[str],
     names = [n for n in ("ours off", f"ours {DEFAULT}") if (n, workloads[0]) in agg]
     headers = ["workload", *(f"{n} / {llama}" for n in names), f"{llama} tok/s",
                *(f"{n} tok/s" for n in names)]
-    rows = [[wl, *(ratio_cell(agg[(n, wl)], agg[(llama, wl)]) for n in names),
+    rows = [[wl, *(ratio_of(agg[(n, wl)], agg[(llama, wl)]) for n in names),
              fmt(statistics.median(agg[(llama, wl)])),
              *(fmt(statistics.median(agg[(n, wl)])) for n in names)] for wl in workloads]
     return md_table(headers, rows)

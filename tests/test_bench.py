@@ -340,6 +340,13 @@ def test_percentile_matches_numpy():
     assert (d.n, d.mean, d.p50, d.min, d.max) == (5, 3.0, 3.0, 1.0, 5.0)
 
 
+def test_ratio_cell_gives_the_median_and_range_of_per_round_ratios():
+    """Worked by hand: the median of an even count is the mean of the middle two; one ratio
+    has no range to show."""
+    assert stats.ratio_cell([1.30, 1.10, 1.25, 1.20]) == "1.23x (1.10..1.30)"
+    assert stats.ratio_cell([0.987]) == "0.99x"
+
+
 def test_bootstrap_mean_ci_covers_the_true_mean():
     rng = np.random.default_rng(0)
     sample = rng.normal(10.0, 2.0, size=200).tolist()  # a fixed sample; coverage is below
@@ -395,7 +402,7 @@ def test_ngram_replay_counts_target_steps_exactly():
     continuation takes ceil(L / (k + 1)) steps (the last step never drafts past the end), an
     empty rule takes L, and an output that copies its prompt after one new token takes two
     undrafted steps, then one step per k + 1 tokens."""
-    from benchmarks.ngram_replay import no_edit_fallback, replay
+    from benchmarks.probes.ngram_replay import no_edit_fallback, replay
 
     prompt, output = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17]
     full = prompt + output
@@ -422,9 +429,9 @@ def test_ngram_replay_counts_target_steps_exactly():
 
 
 def test_oracle_proposer_cuts_drafts_to_the_accepted_prefix(tiny):
-    """benchmarks/spec_ceiling.py's oracle: cut by hand-worked cases, then through the engine,
-    where every cut draft must be accepted and the output stay plain decoding's."""
-    from benchmarks.spec_ceiling import OracleProposer
+    """benchmarks/probes/spec_ceiling.py's oracle: cut by hand-worked cases, then through the
+    engine, where every cut draft must be accepted and the output stay plain decoding's."""
+    from benchmarks.probes.spec_ceiling import OracleProposer
     from specserve.core.sampling_params import SamplingParams, SpeculativeParams
     from specserve.draft.base import Proposal, ProposalRequest, StatelessProposer
     from specserve.engine.llm_engine import LLMEngine

@@ -1,5 +1,5 @@
-"""The kernel benchmark scripts (kernel_forms.py, attention_cost.py, cpu_roofline.py): flag
-errors are one line, and cpu_roofline's peak loops run what they claim to."""
+"""The kernel probes (benchmarks/probes/ kernel_forms.py, attention_cost.py, cpu_roofline.py):
+flag errors are one line, and cpu_roofline's peak loops run what they claim to."""
 
 from __future__ import annotations
 
@@ -36,17 +36,17 @@ def test_kernel_benchmarks_reject_bad_flags_with_one_line(script, args, message,
                                                           extension_built):
     """A bad flag is a one-line error and exit code 2, not a traceback."""
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), *args],
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" / script), *args],
                           capture_output=True, text=True, timeout=1800, cwd=root)  # a hang
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_peak_loops_run_every_chain_on_every_thread():
-    """benchmarks/cpu_roofline.py's peak loops keep each chain's value (x * 1 + 0, or + 0 * 1
-    products): the sum they return is 0 + 1 + .. + 15 per thread (per lane of lane-summed
-    kinds), so every chain of every thread ran; an unknown kind is refused by name."""
-    from benchmarks.cpu_roofline import KINDS, peak_extension
+    """benchmarks/probes/cpu_roofline.py's peak loops keep each chain's value (x * 1 + 0, or
+    + 0 * 1 products): the sum they return is 0 + 1 + .. + 15 per thread (per lane of
+    lane-summed kinds), so every chain of every thread ran; an unknown kind is refused by name."""
+    from benchmarks.probes.cpu_roofline import KINDS, peak_extension
 
     ext = peak_extension()
     threads = torch.get_num_threads()

@@ -4,7 +4,7 @@ not stall the other streams.
 
 Deterministic by construction (no timing thresholds): the tokenizer is held inside a big prompt's
 encode until another stream has finished completely, which can only happen if the engine kept
-stepping meanwhile. The latency effect is measured in benchmarks/big_prompt_itl.py.
+stepping meanwhile. The latency effect is measured in benchmarks/probes/big_prompt_itl.py.
 """
 
 from __future__ import annotations

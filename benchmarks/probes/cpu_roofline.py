@@ -3,11 +3,11 @@ and the paged attention (float32 FMAs over a float32 cache; bfloat16 products ov
 cache where the CPU has them) of a verify step, against the fastest the CPU could issue their
 instructions and the fastest memory could feed them.
 
-    python benchmarks/cpu_roofline.py [--model PATH] [--rows 1,5,9,17] [--contexts 500,1000]
-        [--repeats 7] [--num-threads N] [--no-write]
+    python benchmarks/probes/cpu_roofline.py [--model PATH] [--rows 1,5,9,17]
+        [--contexts 500,1000] [--repeats 7] [--num-threads N] [--no-write]
 
-Peaks are measured, not looked up: a small C++ loop (benchmarks/csrc/peak_ops.cpp) issues each
-instruction on 16 independent chains per thread on every torch thread at once, so the rate it
+Peaks are measured, not looked up: a small C++ loop (benchmarks/probes/csrc/peak_ops.cpp) issues
+each instruction on 16 independent chains per thread on every torch thread at once, so the rate it
 reaches is what this CPU (and this VM's share of it) sustains: some CPUs split a 512-bit
 instruction in two, and a datasheet would not say what a KVM guest gets. A kernel's bound is
 its count of those instructions (the projections' ``vpdpbusd``, 64 int8 products each at 512
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's packages first
 
-from benchmarks.kernel_forms import bandwidth_gb_s, load_projections, time_form  # noqa: E402
+from benchmarks.probes.kernel_forms import bandwidth_gb_s, load_projections, time_form  # noqa: E402
 from benchmarks.report import (  # noqa: E402
     BenchError,
     parse_list,
@@ -45,7 +45,7 @@ from specserve.kernels import quant_ext  # noqa: E402
 from specserve.kernels.cpp_build import load_extension  # noqa: E402
 
 KINDS = ("fma256", "fma512", "dpbusd256", "dpbusd512", "dpbf16_512")
-PEAK_SOURCE = ROOT / "csrc" / "peak_ops.cpp"
+PEAK_SOURCE = Path(__file__).resolve().parent / "csrc" / "peak_ops.cpp"
 
 
 def peak_extension():
@@ -186,7 +186,7 @@ def main() -> int:
     peaks = ", ".join(f"{k} {v / 1e9:.2f} G/s" for k, v in rates.items())
     heading = "## CPU roofline: kernels against this machine's instruction and memory limits"
     section = results_section(
-        heading, run_info(sys.argv[1:], program="python benchmarks/cpu_roofline.py"),
+        heading, run_info(sys.argv[1:], program="python benchmarks/probes/cpu_roofline.py"),
         f"Model `{Path(path).name}`. Peak issue rates over {torch.get_num_threads()} threads "
         f"(16 independent chains each): {peaks}. Memory bandwidth (torch sum over 256 MB): "
         f"{gb_s:.1f} GB/s. Projections: all {len(mods)} block-quantized projections once, "

@@ -1,7 +1,7 @@
 """What one drafting step costs next to one target decode step, for the draft model and for an
 EAGLE head, at batch 1 and batch 8 (same process, same run).
 
-    python benchmarks/draft_step_cost.py --eagle DIR [--draft DIR] [--batches 1,8] [--k 4]
+    python benchmarks/probes/draft_step_cost.py --eagle DIR [--draft DIR] [--batches 1,8] [--k 4]
         [--num-threads 1] [--profile]
 
 For each batch size B, B sequences of ~64 tokens of context (distinct block tables):
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's packages first
 
 from specserve.core.config import EngineConfig  # noqa: E402
 from specserve.distill.evaluate import median_seconds  # noqa: E402

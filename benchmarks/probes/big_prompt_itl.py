@@ -8,7 +8,7 @@ largely cancels). Tokenizing 1 MiB takes seconds; if it ran on the engine thread
 would stall for that long and p99 would grow by orders of magnitude; on the text worker the
 ratio stays near 1 (bounded by CPU contention on small machines: the encode still uses a core).
 
-    python benchmarks/big_prompt_itl.py [--model PATH] [--streams 4] [--tokens 64]
+    python benchmarks/probes/big_prompt_itl.py [--model PATH] [--streams 4] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -16,21 +16,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from specserve.core.config import EngineConfig
-from specserve.engine.async_engine import AsyncEngine
-from specserve.engine.llm_engine import LLMEngine
-from specserve.server.app import create_app
-from specserve.server.server_config import ServerConfig
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's packages first
 
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+from benchmarks.stats import percentile  # noqa: E402
+from specserve.core.config import EngineConfig  # noqa: E402
+from specserve.engine.async_engine import AsyncEngine  # noqa: E402
+from specserve.engine.llm_engine import LLMEngine  # noqa: E402
+from specserve.server.app import create_app  # noqa: E402
+from specserve.server.server_config import ServerConfig  # noqa: E402
 
 
 async def stream(session: aiohttp.ClientSession, url: str, tokens: int) -> list[float]:
@@ -74,9 +75,9 @@ async def main_async(args: argparse.Namespace) -> None:
     loaded = await run_once(url, args.streams, args.tokens, big)
     await runner.cleanup()
     for name, xs in (("alone", base), ("with 1 MiB prompt", loaded)):
-        print(f"{name:>18}: ITL p50 {percentile(xs, 0.5) * 1e3:7.1f} ms  "
-              f"p99 {percentile(xs, 0.99) * 1e3:7.1f} ms  ({len(xs)} gaps)")
-    print(f"p99 ratio (with / alone): {percentile(loaded, 0.99) / percentile(base, 0.99):.2f}")
+        print(f"{name:>18}: ITL p50 {percentile(xs, 50) * 1e3:7.1f} ms  "
+              f"p99 {percentile(xs, 99) * 1e3:7.1f} ms  ({len(xs)} gaps)")
+    print(f"p99 ratio (with / alone): {percentile(loaded, 99) / percentile(base, 99):.2f}")
 
 
 def main() -> None:

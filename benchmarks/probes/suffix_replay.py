@@ -1,7 +1,8 @@
 """Tokens per target step of suffix decoding (and n-gram) by setting, without timing noise.
 
-    python benchmarks/suffix_replay.py [--model PATH] [--workloads agentic,templated,chat,rewrite]
-        [--new-tokens 96] [--factors 1,2,4] [--min-probs 0,0.1,0.3] [--ks 4,8,16] [--no-write]
+    python benchmarks/probes/suffix_replay.py [--model PATH]
+        [--workloads agentic,templated,chat,rewrite] [--new-tokens 96] [--factors 1,2,4]
+        [--min-probs 0,0.1,0.3] [--ks 4,8,16] [--no-write]
 
 The target generates each prompt's greedy output once (plain decoding, all prompts in one batch).
 Then single-stream speculation is replayed over the prompts in order, as benchmarks/ab.py runs
@@ -23,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's packages first
 
 from benchmarks.ab import load_chats  # noqa: E402
 from benchmarks.report import publish, results_section, run_info  # noqa: E402
@@ -109,7 +110,7 @@ def main() -> int:
             print(lines[-1], flush=True)
     heading = "## Suffix decoding: tokens per target step by setting (replay)"
     section = results_section(
-        heading, run_info(sys.argv[1:], program="python benchmarks/suffix_replay.py"),
+        heading, run_info(sys.argv[1:], program="python benchmarks/probes/suffix_replay.py"),
         f"Model `{engine.model_path.split('/')[-1]}`, greedy outputs of {args.new_tokens} tokens "
         "per prompt, prompts replayed in order (each output enters the suffix cache before the "
         "next prompt, as in benchmarks/ab.py at batch 1); n-gram: n from 4 down to 1. Exact "

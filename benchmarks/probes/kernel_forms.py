@@ -1,7 +1,7 @@
 """The block-quantized projections of a model under every instruction-set form of the C++
 kernel this CPU runs (AVX2, AVX-VNNI, AVX-512 VNNI), by row count.
 
-    python benchmarks/kernel_forms.py [--model PATH] [--rows 1,2,4,8,16,32] [--repeats 7]
+    python benchmarks/probes/kernel_forms.py [--model PATH] [--rows 1,2,4,8,16,32] [--repeats 7]
         [--num-threads N] [--no-write]
 
 Every projection of the model (the lm head included) runs once per pass on an [rows, K] input,
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's packages first
 
 from benchmarks.report import (  # noqa: E402
     BenchError,
@@ -121,7 +121,7 @@ def main() -> int:
     gb_s = bandwidth_gb_s(10)
     heading = "## Block kernel forms by row count"
     section = results_section(
-        heading, run_info(sys.argv[1:], program="python benchmarks/kernel_forms.py"),
+        heading, run_info(sys.argv[1:], program="python benchmarks/probes/kernel_forms.py"),
         f"Model `{Path(path).name}`: {len(mods)} block-quantized projections, {weight_mb:.0f} MB "
         f"of codes and scales, all run once per pass on a [rows, K] input; median of "
         f"{args.repeats} x 2 interleaved passes; the best rows per pass of each form in "

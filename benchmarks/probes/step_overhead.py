@@ -1,6 +1,6 @@
 """Per-step overhead at batch 1: a decode step's time minus the time of its projections alone.
 
-    python benchmarks/step_overhead.py [--model PATH] [--quantization auto] [--steps 64]
+    python benchmarks/probes/step_overhead.py [--model PATH] [--quantization auto] [--steps 64]
 
 The step time is the median engine.step() of one greedy decode (a chat prompt, ~100 tokens of
 context). The projection time runs every projection of the model (lm_head included) once on a
@@ -20,17 +20,17 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's packages first
 
-from benchmarks.report import check_plain  # noqa: E402
+from benchmarks.report import check_plain, load_workload  # noqa: E402
 from specserve.core.config import EngineConfig  # noqa: E402
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def step_seconds(engine: LLMEngine, steps: int) -> float:
-    text = json.loads((ROOT / "prompts" / "chat.json").read_text())[0]
+    text = load_workload("chat")[0]
     ids = engine.encode(engine.render_chat([{"role": "user", "content": text}]))
     # Plain decode steps: the default (auto) would make some of them multi-row verifies.
     engine.add_request("overhead", ids, SamplingParams(max_tokens=steps + 1, temperature=0.0,

@@ -1,6 +1,6 @@
 """How many tokens per target step the n-gram proposer earns, without timing noise.
 
-    python benchmarks/ngram_replay.py [--model PATH] [--workloads rewrite,summarize,code]
+    python benchmarks/probes/ngram_replay.py [--model PATH] [--workloads rewrite,summarize,code]
         [--new-tokens 128] [--k 2,3,4,6,8] [--no-write]
 
 The target generates each prompt's greedy output once (plain decoding). Then single-stream
@@ -8,24 +8,23 @@ speculation is replayed over it: at each step the proposer drafts from the token
 the drafts agreeing with the real continuation are accepted, and one more token (the target's
 own) is emitted. Greedy speculation emits exactly these tokens, so the count of target steps is
 exact; it depends only on the proposal rule and k, never on the machine's speed. The table shows
-tokens per target step with the rule as shipped and with the edit fallback turned off (the rule
-before it existed), so a change to the rule can be judged on its own. Speed still needs
+tokens per target step with the rule as shipped and with the edit fallback turned off (no draft
+when the last token matches nothing), so the fallback's gain is judged on its own. Speed still needs
 benchmarks/ab.py, since a verify of k + 1 rows costs more than a plain step on most machines.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's packages first
 
-from benchmarks.report import publish, results_section, run_info  # noqa: E402
+from benchmarks.report import load_workload, publish, results_section, run_info  # noqa: E402
 from specserve.core.config import EngineConfig  # noqa: E402
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.draft.ngram import find_ngram_draft  # noqa: E402
@@ -68,7 +67,7 @@ def main() -> int:
     lines = ["| workload | tokens | rule | " + " | ".join(f"k={k}" for k in ks) + " |",
              "|---|---|---|" + "---|" * len(ks)]
     for name in args.workloads.split(","):
-        texts = json.loads((ROOT / "prompts" / f"{name}.json").read_text())
+        texts = load_workload(name)
         prompts = [engine.encode(engine.render_chat([{"role": "user", "content": t}]))
                    for t in texts]
         outs = engine.generate(prompts, SamplingParams(max_tokens=args.new_tokens,
@@ -84,7 +83,7 @@ def main() -> int:
             print(lines[-1], flush=True)
     section = results_section(
         "## N-gram proposer: tokens per target step (replay)",
-        run_info(sys.argv[1:], program="python benchmarks/ngram_replay.py"),
+        run_info(sys.argv[1:], program="python benchmarks/probes/ngram_replay.py"),
         f"Model `{engine.model_path.split('/')[-1]}`, greedy outputs of up to {args.new_tokens} "
         f"tokens per prompt, single stream, n from {max_n} down to {min_n}; exact counts, no "
         f"timing (see the script's docstring).",

@@ -3,7 +3,7 @@ Teacher-forced agreement of the head on the same prompts, with the target's feat
 greedy tokens from the float32 reference target or from the engine's quantized one, next to
 the engine's own first-position acceptance.
 
-    python benchmarks/eagle_agreement.py --eagle DIR [--prompts 16] [--tokens 64]
+    python benchmarks/probes/eagle_agreement.py --eagle DIR [--prompts 16] [--tokens 64]
         [--category chat] [--num-threads 1]
 
 - texts: each prompt's greedy continuation by the quantized target (the engine's default, Q4_1
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's packages first
 
 from specserve.core.config import EngineConfig  # noqa: E402
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402

@@ -1,13 +1,13 @@
 """The C++ paged attention of a model's shape by context length and query rows per sequence.
 
-    python benchmarks/attention_cost.py [--model PATH] [--contexts 500,1000,2000]
+    python benchmarks/probes/attention_cost.py [--model PATH] [--contexts 500,1000,2000]
         [--rows 1,8,17] [--repeats 7] [--num-threads N] [--form N] [--baseline-key KEY]
         [--kv-cache-dtypes float32,bfloat16] [--no-write]
 
 One sequence, ``rows`` query rows at the last positions of a ``context``-token cache (a decode
 step is 1 row, a k-draft verify k + 1), every layer's attention once per pass with its own
 random cache (as cold as in a real forward), median of ``--repeats``. A verify's extra rows cost
-what this shows on top of the projections' (``benchmarks/kernel_forms.py``).
+what this shows on top of the projections' (``benchmarks/probes/kernel_forms.py``).
 
 ``--kv-cache-dtypes A,B``: the same caches stored in each dtype, each read by the form the
 engine measures for it (bfloat16 may take the bfloat16-product form), passes alternating; the
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's packages first
 
 from benchmarks.report import (  # noqa: E402
     BenchError,
@@ -90,7 +90,7 @@ def _compare_dtypes(args, path: str, ext, shape: tuple[int, int, int, int, int],
                 print(lines[-1], flush=True)
     heading = "## Paged attention cost by KV cache dtype"
     section = results_section(
-        heading, run_info(sys.argv[1:], program="python benchmarks/attention_cost.py"),
+        heading, run_info(sys.argv[1:], program="python benchmarks/probes/attention_cost.py"),
         f"Model `{Path(path).name}`: {L} layers, {H} query heads, {KVH} KV heads, head_dim {D}, "
         f"block size {bs}; the same random caches stored as {', '.join(map(_name, dtypes))}, "
         "each read by the attention form the engine measures for it; one sequence, its rows at "
@@ -206,7 +206,7 @@ def main() -> int:
     heading = ("## Paged attention cost by context and rows" if base is None
                else "## Paged attention: this build against an earlier one")
     section = results_section(
-        heading, run_info(sys.argv[1:], program="python benchmarks/attention_cost.py"),
+        heading, run_info(sys.argv[1:], program="python benchmarks/probes/attention_cost.py"),
         f"Model `{Path(path).name}`: {L} layers, {H} query heads, {KVH} KV heads, head_dim {D}, "
         f"{_name(dtypes[0])} paged cache (block size {bs}), attention form {form}; one "
         f"sequence, its rows "

@@ -1,7 +1,7 @@
 """The most a proposer can gain on this machine: its real drafts, cut to the tokens the target
 accepts, run through the real engine, against plain decoding and the proposer as it runs.
 
-    python benchmarks/spec_ceiling.py [--model PATH] [--prompts agentic] [--num-prompts N]
+    python benchmarks/probes/spec_ceiling.py [--model PATH] [--prompts agentic] [--num-prompts N]
         [--new-tokens 96] [--methods ngram,suffix] [--k 4] [--suffix-k 16] [--repeats 2]
         [--num-threads N] [--no-write]
 
@@ -25,8 +25,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's packages first
 
 from benchmarks.ab import load_chats, run  # noqa: E402
 from benchmarks.report import RESULTS_MD, results_section, run_info, write_section  # noqa: E402
@@ -133,9 +133,9 @@ def main() -> int:
     costs = ", ".join(f"{n}: {t / one:.2f}" for n, t in sorted(table.items()) if one) or "-"
     heading = f"## Speculation ceiling on this machine ({args.prompts} prompts)"
     section = results_section(
-        heading, run_info(sys.argv[1:], program="python benchmarks/spec_ceiling.py"),
+        heading, run_info(sys.argv[1:], program="python benchmarks/probes/spec_ceiling.py"),
         f"Model `{engine.model_path.split('/')[-1]}` ({engine.quantization}), greedy, "
-        f"{args.new_tokens} new tokens, {len(chats)} prompts of {source.relative_to(ROOT.parent)}"
+        f"{args.new_tokens} new tokens, {len(chats)} prompts of {source.relative_to(REPO)}"
         f" one after another, k_max n-gram {args.k}, suffix {args.suffix_k}, adaptive k, "
         f"{args.repeats} interleaved repeats. `oracle X`: X's drafts cut to the accepted prefix "
         f"(see the script's docstring). Outputs identical to plain decoding: {not failures}. "

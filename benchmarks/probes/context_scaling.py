@@ -1,9 +1,9 @@
 """Decode step time against context length at batch 1, and prefill time, for one engine config.
 Writes (or prints) a section of benchmarks/RESULTS.md.
 
-    python benchmarks/context_scaling.py [--model PATH] [--quantization auto] [--dtype float32]
-        [--contexts 512,2048,8000] [--steps 32] [--kv-cache-dtypes auto] [--repeats 1]
-        [--label NAME] [--no-write]
+    python benchmarks/probes/context_scaling.py [--model PATH] [--quantization auto]
+        [--dtype float32] [--contexts 512,2048,8000] [--steps 32] [--kv-cache-dtypes auto]
+        [--repeats 1] [--label NAME] [--no-write]
 
 For each context length: one prompt of that many tokens (a repeated paragraph, so the prefix
 cache is off to time the whole prefill), then ``--steps`` greedy decode steps. Reports the
@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's packages first
 
 from benchmarks.report import check_plain, publish, results_section, run_info  # noqa: E402
 from specserve.core.config import EngineConfig  # noqa: E402
@@ -113,7 +113,7 @@ def main() -> int:
         f", KV {' vs '.join(kv_dtypes)}" if len(engines) > 1 else "")
     heading = f"## Context scaling, {label}"
     section = results_section(
-        heading, run_info(sys.argv[1:], program="python benchmarks/context_scaling.py"),
+        heading, run_info(sys.argv[1:], program="python benchmarks/probes/context_scaling.py"),
         f"Batch 1, greedy, prefix cache off, {args.steps} decode steps per context (median)"
         + ("." if len(engines) == 1 else
            f"; one engine per KV cache dtype, {args.repeats} alternating rounds, the best kept."),

@@ -2,7 +2,7 @@
 8k context, for the Python trie (the reference) and the C++ one, in the same run. Writes a
 section of benchmarks/RESULTS.md.
 
-    python benchmarks/suffix_overhead.py [--batch-sizes 1,8,64] [--impls python,cpp]
+    python benchmarks/probes/suffix_overhead.py [--batch-sizes 1,8,64] [--impls python,cpp]
         [--context 8192] [--steps 48] [--cache-tokens 262144] [--decode-ms 97.7] [--no-write]
 
 Each sequence's prompt is ``--context`` tokens of code-like text: random spans over a 49k
@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script: this checkout's packages first
 
 from benchmarks.report import run_info, write_results_section  # noqa: E402
 from specserve.draft.base import FinishedSequence, ProposalRequest  # noqa: E402
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-ms", type=float, default=97.7)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
-    info = run_info(sys.argv[1:], "python benchmarks/suffix_overhead.py")
+    info = run_info(sys.argv[1:], "python benchmarks/probes/suffix_overhead.py")
     rows = [
         "| trie | sequences | per step: median / p95 ms | per sequence us | share of a step "
         "| prompt insert ms (per prompt) | cache fill us per token | drafted / accepted |",
