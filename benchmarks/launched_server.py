@@ -16,6 +16,16 @@ from pathlib import Path
 from benchmarks.report import BenchError
 
 
+def stop_children_on_sigterm() -> None:
+    """A SIGTERM to the benchmark (``timeout``, a killed job) unwinds it as an exception, so the
+    servers it started are stopped by their ``with`` blocks instead of outliving it."""
+    import threading
+
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,6 +50,7 @@ class LaunchedServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LaunchedServer:
+        stop_children_on_sigterm()
         env = None if self.root is None else {**os.environ, "PYTHONPATH": str(self.root)}
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,

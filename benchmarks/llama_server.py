@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.launched_server import free_port, health_ok  # noqa: E402
+from benchmarks.launched_server import free_port, health_ok, stop_children_on_sigterm  # noqa: E402
 from benchmarks.report import BenchError  # noqa: E402
 from specserve.core.paths import cache_root  # noqa: E402
 
@@ -179,6 +179,7 @@ class LlamaServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LlamaServer:
+        stop_children_on_sigterm()
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.timeout
