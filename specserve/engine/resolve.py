@@ -17,7 +17,7 @@ Every "auto" and every derived value is decided here, once, in one function per 
     draft                 engine/models.py         the shipped draft beside the built-in model
     speculative method    the proposer registry    what the draft implies (eagle for a head),
                                                    else auto; names checked against the registry
-    threads               ``resolve_threads_fixed`` fixed by --num-threads or
+    threads               ``resolve_threads``      fixed by --num-threads or
                                                    SPECSERVE_THREAD_POLICY, else chosen by
                                                    measurement at start-up
                                                    (engine/thread_setup.py)
@@ -151,11 +151,11 @@ def resolve_config(asked: EngineConfig, files: ModelFiles,
         device=device, dtype=dtype, quantization=quantization, attention_backend=backend,
         kv_cache_dtype=kv_dtype, max_model_len=max_model_len, num_kv_blocks=num_blocks,
         kv_bytes_per_block=per_block, draft=draft, default_speculative_method=method,
-        threads_fixed_by=resolve_threads_fixed(asked),
+        threads_fixed_by=resolve_threads(asked),
     )
 
 
-def resolve_threads_fixed(asked: EngineConfig) -> str | None:
+def resolve_threads(asked: EngineConfig) -> str | None:
     """What fixed the threads, as the user wrote it (``--num-threads 2``,
     ``SPECSERVE_THREAD_POLICY=spin_us=50,wait_us=20``), or None: the engine chooses them by
     measurement once it is built. A malformed variable is an error here: the user meant to fix

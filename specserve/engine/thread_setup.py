@@ -38,7 +38,7 @@ from specserve.kernels.thread_choice import ThreadChoice, ThreadSetup
 from specserve.kernels.tuner import model_groups, projection_params, shapes_key
 from specserve.target.model_runner import ModelRunner
 
-MIN_MEASURED_PARAMS = 16 << 20  # projection weights; the module docstring says why
+MIN_MEASURED_PARAMS = 16_000_000  # projection weights; the module docstring says why
 PROBE_CONTEXT = 128  # tokens of context the probe's decode row attends to
 
 
@@ -46,8 +46,9 @@ def choose_threads(config: ResolvedConfig, runner: ModelRunner, *,
                    budget_s: float = thread_choice.DEFAULT_BUDGET_S,
                    clock: Callable[[], float] = time.perf_counter) -> ThreadChoice:
     """The setup this engine runs under, applied (module docstring)."""
-    if config.device.type != "cpu":
-        return ThreadChoice(ThreadSetup(torch.get_num_threads()), f"device {config.device}")
+    if config.device.type != "cpu":  # torch's threads only feed the GPU here
+        return ThreadChoice(ThreadSetup(torch.get_num_threads()),
+                            f"not measured (device {config.device})")
     if config.threads_fixed_by is not None:
         policy = thread_policy.from_env()  # applied when the extension loaded; again for an
         if policy is not None:  # extension loaded before this engine was asked for
