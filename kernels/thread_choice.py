@@ -28,7 +28,8 @@ it can only lose where the cores are shared: a pinned worker cannot move off a c
 process (or the event loop) holds, and the pool already lets whichever thread runs take the
 chunks. A VM's vCPUs are not fixed hardware cores either. So no candidate pins.
 
-Timing: after one untimed step on the first candidate (first calls allocate), rounds in which
+Timing: after two first steps on the first candidate (the first allocates, the second gives
+the step's cost), rounds in which
 every live candidate takes a turn (the order reversed every other round, so drift in the
 machine's load falls on all alike) with one sample quiet and one beside
 ``thread_policy.event_loop_stand_in`` (a thread waking every 2 ms: the event loop's
@@ -43,8 +44,15 @@ Budget: ``budget_s`` seconds of ``clock`` over the whole measurement (``DEFAULT_
 the tuner's rule (kernels/tuner.py): bounded start-up, work in order of value. Two first
 steps (untimed by the budget: a step longer than the budget overruns it by those two) give the
 step's cost, which sets ``steps`` so the planned rounds fit; a sample that would pass the
-budget is not started. A choice from fewer rounds than planned is applied but
-not cached, so a later start measures again within its own budget.
+budget is not started. A choice from fewer rounds than planned is applied but not cached, so
+a later start measures again within its own budget.
+
+What the stand-in misses: through a server, each token also wakes the event loop, the
+detokenizing thread and (in a benchmark) a client on the same cores, each for a few hundred
+microseconds right after a step. On this project's 2-core VM, loaded by other jobs, the setup
+chosen here (a team of 2, torch's ops on 1) ran plain decoding through ``specserve serve`` at
+1.5x the old default (2 torch threads) but below ``--num-threads 1``; timing candidates on the
+server's own step loop is the next step where that matters.
 
 Cache: ``<cache_dir>/threads-<sha of CPU, usable cores, torch, kernel build, the candidates and
 the caller's key>.json``, beside the kernel table; a start that finds it applies it untimed.
