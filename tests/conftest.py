@@ -73,9 +73,9 @@ def _torch_threads():
     from specserve.kernels import quant_ext, thread_policy
 
     n = torch.get_num_threads()
-    policy = thread_policy.current() if quant_ext.load.cache_info().currsize else None
+    policy = thread_policy.in_force()  # before the extension loads: the one it loads with
     yield
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
-    if policy is not None and thread_policy.current() != policy:
+    if quant_ext.load.cache_info().currsize and thread_policy.current() != policy:
         thread_policy.apply(policy)

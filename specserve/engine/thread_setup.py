@@ -24,6 +24,7 @@ cached table.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -32,7 +33,7 @@ import torch
 
 from specserve.core.paths import cache_root
 from specserve.engine.resolve import ResolvedConfig
-from specserve.kernels import thread_choice, thread_policy
+from specserve.kernels import quant_ext, thread_choice, thread_policy
 from specserve.kernels.metadata import AttentionMetadata, token_positions
 from specserve.kernels.thread_choice import ThreadChoice, ThreadSetup
 from specserve.kernels.tuner import model_groups, projection_params, shapes_key
@@ -50,8 +51,12 @@ def choose_threads(config: ResolvedConfig, runner: ModelRunner, *,
         return ThreadChoice(ThreadSetup(torch.get_num_threads()),
                             f"not measured (device {config.device})")
     if config.threads_fixed_by is not None:
-        policy = thread_policy.from_env()  # applied when the extension loaded; again for an
-        if policy is not None:  # extension loaded before this engine was asked for
+        # The extension applies the variable's policy when it loads; one loaded before (an
+        # earlier engine in this process) gets it, or a team that follows --num-threads, here.
+        policy = thread_policy.from_env()
+        if policy is None:
+            policy = dataclasses.replace(thread_policy.in_force(), threads=0)
+        if quant_ext.load.cache_info().currsize:
             thread_policy.apply(policy)
         return ThreadChoice(ThreadSetup.current(), f"fixed by {config.threads_fixed_by}")
     if not config.kernel_tuning:
