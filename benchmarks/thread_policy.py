@@ -96,6 +96,7 @@ def child(args: argparse.Namespace) -> int:
     from specserve.kernels import thread_policy
 
     policies = parse_policies(args.policies)
+    torch_threads = args.num_threads or torch.get_num_threads()  # before the engine's choice
     engine = LLMEngine(EngineConfig(draft_model="none", num_threads=args.num_threads))
     ids = engine.encode(prompt_text())
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
@@ -107,7 +108,6 @@ def child(args: argparse.Namespace) -> int:
 
     results = {p.name: {s: [] for s in SCENARIOS[:2]} for p in policies}
     tokens: dict[str, list[int]] = {}
-    torch_threads = torch.get_num_threads()
     for rnd in range(args.rounds + 1):
         for p in policies if rnd % 2 else policies[::-1]:
             thread_policy.apply(p)

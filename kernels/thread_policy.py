@@ -22,29 +22,21 @@ it is measured, not fixed:
 
 None of these changes a bit of any result; they only move time. ``SPECSERVE_THREAD_POLICY``
 (``openmp`` or ``spin_us=N,wait_us=N,threads=N``) sets the policy for a process when the
-extension loads, so a server can be run under one without code; ``choose`` times the
-candidates on a step the caller provides, with and without a thread that wakes every few
-milliseconds (the event loop's stand-in), and caches the choice per machine. An engine at
-start-up would call ``choose(lambda: <a one-token decode forward of its model>, cache_root() /
-"tune", <the model's shape>)`` once its kernels are tuned; ``benchmarks/thread_policy.py``
-measures the same choice end to end (in process, beside a waking thread, through the server).
+extension loads, so a server can be run under one without code. Without it (and without
+``--num-threads``) an engine chooses its setup at start-up by measurement
+(kernels/thread_choice.py, specserve/engine/thread_setup.py); ``benchmarks/thread_policy.py``
+measures policies end to end (in process, beside a waking thread, through the server).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
-import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
-from pathlib import Path
-
-import torch
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from specserve.kernels import quant_ext
 
@@ -101,14 +93,6 @@ class ThreadPolicy:
 
 
 DEFAULT = ThreadPolicy()
-# What ``choose`` times: never sleeping, a short and a long poll, and OpenMP for reference.
-CANDIDATES = (
-    ThreadPolicy(spin_us=-1, wait_us=-1),
-    ThreadPolicy(spin_us=50, wait_us=20),
-    DEFAULT,
-    ThreadPolicy(spin_us=2000, wait_us=200),
-    ThreadPolicy(openmp=True),
-)
 
 
 def apply(policy: ThreadPolicy) -> None:
@@ -120,6 +104,17 @@ def apply(policy: ThreadPolicy) -> None:
 def current() -> ThreadPolicy:
     spin_us, wait_us, openmp, threads, chunks = quant_ext.load().thread_policy()
     return ThreadPolicy(spin_us, wait_us, openmp, threads, chunks)
+
+
+def in_force() -> ThreadPolicy:
+    """``current()`` without loading the extension: before it has loaded, the policy it will
+    load with (the environment's, else the default)."""
+    if quant_ext.load.cache_info().currsize:
+        return current()
+    try:
+        return from_env() or DEFAULT
+    except ValueError:
+        return DEFAULT
 
 
 def from_env() -> ThreadPolicy | None:
@@ -152,70 +147,3 @@ def event_loop_stand_in(period_s: float = 0.002, work_us: float = 50.0) -> Itera
     finally:
         stop.set()
         thread.join()
-
-
-def time_policies(step: Callable[[], object], policies: tuple[ThreadPolicy, ...] = CANDIDATES,
-                  rounds: int = 5, steps: int = 10, disturbed: bool = True,
-                  prune: float = 2.0) -> dict[ThreadPolicy, float]:
-    """Per policy, the median seconds of one ``step()`` over ``rounds`` rounds of ``steps``
-    steps, the policies taking turns round by round (so drift in the machine's load falls on
-    all of them alike); ``disturbed``: with ``event_loop_stand_in`` running. A policy slower
-    than ``prune`` times the best in the first timed round is not timed again (an OpenMP
-    barrier on a busy machine can cost 10x: its one round says enough). The policy in force
-    before is put back."""
-    before = current()
-    samples: dict[ThreadPolicy, list[float]] = {p: [] for p in policies}
-    live = list(policies)
-    guard = event_loop_stand_in() if disturbed else contextlib.nullcontext()
-    try:
-        with guard:
-            for rnd in range(rounds + 1):
-                for policy in live if rnd % 2 else live[::-1]:
-                    apply(policy)
-                    step()  # the first step after a switch starts or wakes the workers
-                    t0 = time.perf_counter()
-                    for _ in range(steps):
-                        step()
-                    if rnd:  # round 0 warms up
-                        samples[policy].append((time.perf_counter() - t0) / steps)
-                if rnd == 1:
-                    fastest = min(samples[p][0] for p in live)
-                    live = [p for p in live if samples[p][0] <= prune * fastest]
-    finally:
-        apply(before)
-    return {p: statistics.median(s) for p, s in samples.items()}
-
-
-def choose(step: Callable[[], object], cache_dir: Path | None, key: str,
-           policies: tuple[ThreadPolicy, ...] = CANDIDATES) -> ThreadPolicy:
-    """The policy with the least cost over a quiet and a disturbed timing of ``step`` (each
-    relative to its best policy, so both weigh alike), applied and cached under ``cache_dir``
-    per CPU, torch threads, extension build and the caller's ``key`` (the model's shape)."""
-    from specserve.kernels.tuner import cpu_model
-
-    full_key = "|".join([cpu_model(), str(os.cpu_count()), str(torch.get_num_threads()),
-                         quant_ext.build_key(), key])
-    path = None
-    if cache_dir is not None:
-        path = cache_dir / f"threads-{hashlib.sha256(full_key.encode()).hexdigest()[:20]}.json"
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            cached = ThreadPolicy(**json.loads(path.read_text())["policy"])
-            apply(cached)
-            return cached
-    quiet = time_policies(step, policies, disturbed=False)
-    busy = time_policies(step, policies, disturbed=True)
-    cost = {p: quiet[p] / min(quiet.values()) + busy[p] / min(busy.values()) for p in policies}
-    best = min(cost, key=cost.__getitem__)
-    log.info("thread policy %s (cost relative to the best, quiet + disturbed: %s)", best.name,
-             {p.name: round(c, 3) for p, c in cost.items()})
-    apply(best)
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"policy": asdict(best),
-                                       "cost": {p.name: c for p, c in cost.items()}}))
-            tmp.replace(path)
-        except OSError as exc:
-            log.warning("could not cache the thread policy at %s: %s", path, exc)
-    return best

@@ -147,6 +147,18 @@ def work_order(groups: Iterable[str], row_counts: Iterable[int]) -> list[tuple[s
     return [(sig, rows) for rows in sorted(set(row_counts)) for sig in order]
 
 
+def projection_params(groups: dict[str, list[nn.Module]]) -> int:
+    """The weights (elements) of every projection in ``groups``: the model's size as its
+    kernels see it."""
+    return sum(_group_size(sig) * len(mods) for sig, mods in groups.items())
+
+
+def shapes_key(groups: dict[str, list[nn.Module]]) -> str:
+    """The projection shapes and how many modules of each: what a measurement of this model's
+    kernels depends on besides the machine (not the weights)."""
+    return ",".join(f"{sig}*{len(mods)}" for sig, mods in sorted(groups.items()))
+
+
 def model_groups(model: nn.Module) -> dict[str, list[nn.Module]]:
     groups: dict[str, list[nn.Module]] = {}
     for module in model.modules():
@@ -263,8 +275,7 @@ class KernelTuner:
         so models of the same shapes share it."""
         if self.cache_dir is None:
             return None
-        shapes = ",".join(f"{sig}*{len(mods)}" for sig, mods in sorted(groups.items()))
-        key = "|".join([self.machine_key(), self.model_key, shapes,
+        key = "|".join([self.machine_key(), self.model_key, shapes_key(groups),
                         ",".join(map(str, row_counts))])
         return self.cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 

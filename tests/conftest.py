@@ -75,9 +75,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture(autouse=True)
 def _torch_threads():
-    """An engine built with ``num_threads`` sets torch's thread count for the whole process;
-    each test gets back the count it started with, so no setting leaks into later tests."""
+    """An engine sets torch's thread count and the kernels' pool policy for the whole process
+    (``num_threads``, or the setup it chose at start-up); each test gets back the ones it
+    started with, so no setting leaks into later tests. (The policy is read only where the
+    kernels' extension is loaded already: this fixture never builds it.)"""
+    from specserve.kernels import quant_ext, thread_policy
+
     n = torch.get_num_threads()
+    policy = thread_policy.in_force()  # before the extension loads: the one it loads with
     yield
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
+    if quant_ext.load.cache_info().currsize and thread_policy.current() != policy:
+        thread_policy.apply(policy)

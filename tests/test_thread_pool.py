@@ -221,30 +221,6 @@ def test_policy_round_trip_and_env(monkeypatch):
         ext.set_thread_policy(-5, 0, False)
 
 
-def test_choose_times_the_candidates_and_caches(tmp_path):
-    calls = []
-    x = torch.randn(1, 576)
-    from specserve.kernels.quant import BlockQuantLinear, quantize
-
-    layer = BlockQuantLinear(quantize(torch.randn(960, 576) * 0.05, "q4_1"))
-
-    def step() -> None:
-        calls.append(thread_policy.current())
-        layer(x)
-
-    candidates = (ThreadPolicy(spin_us=-1, wait_us=-1), ThreadPolicy(openmp=True))
-    before = thread_policy.current()
-    with torch_threads(2):
-        best = thread_policy.choose(step, tmp_path, "test", candidates)
-        assert best in candidates and thread_policy.current() == best
-        assert set(calls) == set(candidates)  # both were timed
-        calls.clear()
-        thread_policy.apply(before)
-        assert thread_policy.choose(step, tmp_path, "test", candidates) == best  # cached
-        assert not calls and thread_policy.current() == best
-    thread_policy.apply(before)
-
-
 @pytest.mark.parametrize("args, message", [
     (["--policies", "spin=3"], "--policies: thread policy 'spin=3': expected 'openmp' or"),
     (["--omp", "lazy"], "--omp takes default, passive, active or VAR=value"),

@@ -83,7 +83,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "weight-only block quantization of the target's projections (auto: a GGUF's own "
         "Q4_0/Q4_1/Q8_0 blocks on CPU, else none)")] = "auto"
     kernel_tuning: Annotated[bool, _help(
-        "time the kernel candidates of each projection shape at start-up (cached per machine "
+        "time the kernel candidates of each projection shape, and the thread setups unless "
+        "--num-threads or SPECSERVE_THREAD_POLICY fix them, at start-up (cached per machine "
         "in ~/.cache/specserve/tune); off: defaults")] = True
     device: Annotated[str, _help(
         "auto | cpu | cuda[:N] (auto: cuda when torch sees a GPU)", pattern=r"auto|cpu|cuda(:\d+)?",
@@ -109,7 +110,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "else torch; on CUDA the first of flash_attn, triton, sdpa, torch that loads)")] = "auto"
     seed: Annotated[int, _help("seed of the engine's sampler for requests that give none")] = 0
     num_threads: Annotated[int | None, _help(
-        "torch CPU threads (default: torch's choice)")] = None
+        "torch CPU threads, the kernels' team too (default: chosen by measurement at start-up, "
+        "cached per machine and model)")] = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -20,8 +20,10 @@ from specserve.engine.block_manager import BlockManager
 from specserve.engine.models import load_tokenizer
 from specserve.engine.resolve import ModelFiles, ResolvedConfig
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.thread_setup import choose_threads
 from specserve.kernels.attention_form import choose_form
 from specserve.kernels.registry import AttentionBackend, get_attention_backend
+from specserve.kernels.thread_choice import ThreadChoice
 from specserve.kernels.tuner import KernelTuner, TuneTable, default_row_counts
 from specserve.spec.speculator import Speculator
 from specserve.target.config import ModelConfig
@@ -42,6 +44,7 @@ class EngineParts:
     draft: LoadedDraft | None
     eos_token_ids: frozenset[int]
     kernel_table: TuneTable | None
+    threads: ThreadChoice
 
 
 def build_parts(config: ResolvedConfig, files: ModelFiles, registry: ProposerRegistry = REGISTRY
@@ -64,6 +67,7 @@ def build_parts(config: ResolvedConfig, files: ModelFiles, registry: ProposerReg
             config.quantized, config.num_kv_blocks, config.block_size, attn,
         ))
     table = _tune_kernels(config, model, draft)
+    threads = choose_threads(config, runner)  # after tuning: it times the tuned kernels
     speculator = Speculator(
         config.asked, config.default_speculative_method, config.max_model_len, block_manager,
         torch.Generator().manual_seed(config.seed), draft,
@@ -71,7 +75,7 @@ def build_parts(config: ResolvedConfig, files: ModelFiles, registry: ProposerReg
     )
     return EngineParts(model_config, tokenizer, runner, block_manager,
                        Scheduler(config, block_manager), speculator, draft,
-                       _eos_ids(model_config, tokenizer), table)
+                       _eos_ids(model_config, tokenizer), table, threads)
 
 
 def _attention(config: ResolvedConfig, model_config: ModelConfig) -> AttentionBackend:

@@ -63,6 +63,7 @@ class LLMEngine:
         self.speculator = parts.speculator
         self.eos_token_ids = parts.eos_token_ids
         self.kernel_table = parts.kernel_table
+        self.threads = parts.threads
         if parts.draft is not None and parts.draft.traced is not None:
             # One span per draft forward (each draft step) without touching the proposer.
             parts.draft.traced.register_forward_pre_hook(
@@ -70,8 +71,8 @@ class LLMEngine:
             parts.draft.traced.register_forward_hook(lambda *_: self.tracer.end())
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
-        log.info("engine ready: %s attention_form=%s", self.config.summary(),
-                 getattr(self.attn_backend, "form", "-"))
+        log.info("engine ready: %s attention_form=%s; %s", self.config.summary(),
+                 getattr(self.attn_backend, "form", "-"), self.threads.describe())
 
     # What the resolver decided, under the names the engine has always answered to.
     @property

@@ -17,6 +17,10 @@ Every "auto" and every derived value is decided here, once, in one function per 
     draft                 engine/models.py         the shipped draft beside the built-in model
     speculative method    the proposer registry    what the draft implies (eagle for a head),
                                                    else auto; names checked against the registry
+    threads               ``resolve_threads``      fixed by --num-threads or
+                                                   SPECSERVE_THREAD_POLICY, else chosen by
+                                                   measurement at start-up
+                                                   (engine/thread_setup.py)
 
 The config asked for is never written: two engines built from one ``EngineConfig`` see the same
 ``ResolvedConfig``. The resolved record answers every setting by name: the resolved ones are its
@@ -37,6 +41,8 @@ from specserve.draft.loading import DRAFT_KINDS, DraftSource, open_draft
 from specserve.draft.registry import REGISTRY, ProposerRegistry
 from specserve.kernels.attention_form import has_bf16_products
 from specserve.kernels.registry import resolve_attention_backend
+from specserve.kernels.thread_policy import ENV as THREAD_POLICY_ENV
+from specserve.kernels.thread_policy import from_env as thread_policy_from_env
 from specserve.target.config import ModelConfig
 from specserve.target.loader import Weights, read_weights
 from specserve.target.model_runner import ModelRunner
@@ -70,6 +76,7 @@ class ResolvedConfig:
     kv_bytes_per_block: int  # target + draft
     draft: DraftChoice | None
     default_speculative_method: str  # of requests that name none
+    threads_fixed_by: str | None  # the flag or variable that fixed them; None: measured
 
     @property
     def draft_model(self) -> str | None:
@@ -144,7 +151,26 @@ def resolve_config(asked: EngineConfig, files: ModelFiles,
         device=device, dtype=dtype, quantization=quantization, attention_backend=backend,
         kv_cache_dtype=kv_dtype, max_model_len=max_model_len, num_kv_blocks=num_blocks,
         kv_bytes_per_block=per_block, draft=draft, default_speculative_method=method,
+        threads_fixed_by=resolve_threads(asked),
     )
+
+
+def resolve_threads(asked: EngineConfig) -> str | None:
+    """What fixed the threads, as the user wrote it (``--num-threads 2``,
+    ``SPECSERVE_THREAD_POLICY=spin_us=50,wait_us=20``), or None: the engine chooses them by
+    measurement once it is built. A malformed variable is an error here: the user meant to fix
+    the policy, and measuring instead would hide the typo."""
+    fixed = []
+    if asked.num_threads:
+        fixed.append(f"--num-threads {asked.num_threads}")
+    try:
+        policy = thread_policy_from_env()
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; or unset {THREAD_POLICY_ENV} to let the engine choose by "
+                          f"measurement") from None
+    if policy is not None:
+        fixed.append(f"{THREAD_POLICY_ENV}={policy.name}")
+    return " and ".join(fixed) or None
 
 
 def resolve_speculative_method(asked: str | None, draft: DraftSource | None,

@@ -1,0 +1,111 @@
+"""An engine's thread setup at start-up: torch's thread count and the kernels' pool policy, as
+the user fixed them, else chosen by timing a one-token decode forward of the loaded model under
+each candidate (kernels/thread_choice.py: quiet and beside a waking thread, the server's event
+loop's stand-in; within a few seconds; cached per machine and model shape beside the kernel
+table, so a later start applies it untimed).
+
+Not measured, and why:
+
+- the user fixed them (``--num-threads``, ``SPECSERVE_THREAD_POLICY``: the resolver names
+  which), or asked for no start-up timing (``--no-kernel-tuning``);
+- a device other than the CPU (the kernels' pool runs CPU kernels only);
+- a model of fewer than ``MIN_MEASURED_PARAMS`` projection weights (the tests' tiny models,
+  at most a few million): its decode step is a few hundred microseconds of per-op dispatch in
+  which the kernels' ranges mostly fit one chunk and run on the calling thread, so the
+  candidates differ in noise, not in kernel time, and a test run would pay the timing on every
+  new model shape. The smallest model users run (the built-in 135M) is well above it.
+
+The setup is process-wide (torch's threads and the pool are), so the last engine built in a
+process sets it for every engine there. The kernel table is tuned before the choice, under
+torch's own thread count: the table's candidates are forms of one arithmetic, so a choice made
+under another team can only cost speed, and a start that keeps the cached setup keeps the
+cached table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+from specserve.core.paths import cache_root
+from specserve.engine.resolve import ResolvedConfig
+from specserve.kernels import quant_ext, thread_choice, thread_policy
+from specserve.kernels.metadata import AttentionMetadata, token_positions
+from specserve.kernels.thread_choice import ThreadChoice, ThreadSetup
+from specserve.kernels.tuner import model_groups, projection_params, shapes_key
+from specserve.target.model_runner import ModelRunner
+
+MIN_MEASURED_PARAMS = 16_000_000  # projection weights; the module docstring says why
+PROBE_CONTEXT = 128  # tokens of context the probe's decode row attends to
+
+
+def choose_threads(config: ResolvedConfig, runner: ModelRunner, *,
+                   budget_s: float = thread_choice.DEFAULT_BUDGET_S,
+                   clock: Callable[[], float] = time.perf_counter) -> ThreadChoice:
+    """The setup this engine runs under, applied (module docstring)."""
+    if config.device.type != "cpu":  # torch's threads only feed the GPU here
+        return ThreadChoice(ThreadSetup(torch.get_num_threads()),
+                            f"not measured (device {config.device})")
+    if config.threads_fixed_by is not None:
+        # The extension applies the variable's policy when it loads; one loaded before (an
+        # earlier engine in this process) gets it, or a team that follows --num-threads, here.
+        policy = thread_policy.from_env()
+        if policy is None:
+            policy = dataclasses.replace(thread_policy.in_force(), threads=0)
+        if quant_ext.load.cache_info().currsize:
+            thread_policy.apply(policy)
+        return ThreadChoice(ThreadSetup.current(), f"fixed by {config.threads_fixed_by}")
+    if not config.kernel_tuning:
+        return ThreadChoice(ThreadSetup.current(), "defaults (--no-kernel-tuning)")
+    groups = model_groups(runner.model)
+    params = projection_params(groups)
+    if params < MIN_MEASURED_PARAMS:
+        return ThreadChoice(ThreadSetup.current(), f"defaults (not measured: {params / 1e6:.1f}M "
+                                                   f"projection weights, under "
+                                                   f"{MIN_MEASURED_PARAMS / 1e6:.0f}M)")
+    setups = thread_choice.candidates(thread_choice.usable_cores())
+    path = thread_choice.cache_path(cache_root() / "tune", _shape_key(config, runner, groups),
+                                    setups)
+    step, reset = decode_probe(runner)
+    try:
+        return thread_choice.choose(step, path, setups, budget_s=budget_s, clock=clock)
+    finally:
+        reset()
+
+
+def _shape_key(config: ResolvedConfig, runner: ModelRunner, groups: dict) -> str:
+    mc = runner.model_config
+    return "|".join([
+        shapes_key(groups), f"heads {mc.num_heads}/{mc.num_kv_heads}x{mc.head_dim}",
+        f"vocab {mc.vocab_size}", config.attention_backend,
+        str(getattr(runner.attn_backend, "form", "-")), str(config.kv_cache_dtype),
+        f"block {runner.block_size}",
+    ])
+
+
+def decode_probe(runner: ModelRunner) -> tuple[Callable[[], object], Callable[[], None]]:
+    """(step, reset): ``step`` is one decode row of a sequence of ``PROBE_CONTEXT`` tokens
+    through ``runner`` and the greedy pick over its logits (a torch op over the vocabulary, as
+    the engine's sampler runs); it writes one token's KV into the first blocks of the pool,
+    which no request holds yet. ``reset`` zeroes them again (the pool starts zeroed:
+    ModelRunner's invariant)."""
+    bs = runner.block_size
+    context = max(1, min(PROBE_CONTEXT, runner.num_blocks * bs))
+    blocks = list(range(math.ceil(context / bs)))
+    meta = AttentionMetadata.build([1], [context], [blocks], bs, runner.device)
+    ids = torch.zeros(1, dtype=torch.int64)  # [1]
+    positions = token_positions([1], [context])  # [1]
+    rows = torch.zeros(1, dtype=torch.int64)  # [1]: the one logits row
+
+    def step() -> torch.Tensor:
+        logits, _ = runner.forward(ids, positions, meta, rows)  # [1, vocab]
+        return logits.argmax(-1)
+
+    def reset() -> None:
+        runner.kv_cache[:, :, : len(blocks)].zero_()  # [L, 2, blocks, block_size, KVH, D]
+
+    return step, reset
