@@ -43,6 +43,8 @@ CONFIGS = ("none", "shipped")  # --draft-model none | the engine's default (the 
 
 def worker(config: str, new_tokens: int, repeats: int, threads: int | None) -> dict:
     """One process's measurement (run as ``--worker CONFIG``)."""
+    import torch
+
     from specserve.core.config import EngineConfig
     from specserve.core.sampling_params import SamplingParams, SpeculativeParams
     from specserve.engine.llm_engine import LLMEngine
@@ -69,7 +71,8 @@ def worker(config: str, new_tokens: int, repeats: int, threads: int | None) -> d
     runner = getattr(draft, "runner", None)
     return {
         "config": config, "tok_s": rates, "num_kv_blocks": engine.config.num_kv_blocks,
-        "draft_kv_allocated": None if runner is None else getattr(runner, "kv_allocated", True),
+        "threads": torch.get_num_threads(),
+        "draft_kv_allocated": None if runner is None else runner.kv_allocated,
     }
 
 
@@ -122,7 +125,8 @@ def report(args: argparse.Namespace) -> int:
     intro = (
         f"Built-in model (SmolLM2-135M-Instruct Q4_1 GGUF), greedy batch 1, {args.new_tokens} "
         f"new tokens (EOS ignored), every request `speculative: off` (num_drafted 0 checked), "
-        f"one chat prompt; {args.rounds} rounds, each one process per configuration in "
+        f"one chat prompt, {seen['none']['threads']} torch threads per process; "
+        f"{args.rounds} rounds, each one process per configuration in "
         f"alternating order, tok/s the median of {args.repeats} in-process runs. KV blocks: "
         f"{seen['none']['num_kv_blocks']} without the draft, "
         f"{seen['shipped']['num_kv_blocks']} with it (the pool is sized for both models' KV); "
