@@ -206,11 +206,24 @@ class EagleRunner:
 
     def __init__(self, head: EagleHead, *, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, backend: AttentionBackend) -> None:
-        mc = head.config
         self.head, self.block_size, self.device, self.backend = head, block_size, device, backend
-        self.kv_cache = torch.zeros((2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim),
-                                    dtype=dtype, device=device)
+        self.num_blocks, self.dtype = num_blocks, dtype
+        # Allocated on the first step: a head no request runs commits no KV memory.
+        self._kv: torch.Tensor | None = None  # [2, num_blocks, block_size, KVH, D]
         self.target_layers = head.meta.target_layers
+
+    @property
+    def kv_allocated(self) -> bool:
+        return self._kv is not None
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """[2, num_blocks, block_size, KVH, D], zeroed when first read."""
+        if self._kv is None:
+            mc = self.head.config
+            self._kv = torch.zeros((2, self.num_blocks, self.block_size, mc.num_kv_heads,
+                                    mc.head_dim), dtype=self.dtype, device=self.device)
+        return self._kv
 
     @staticmethod
     def bytes_per_block(head_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

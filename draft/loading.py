@@ -115,10 +115,13 @@ class DraftModelSource:
         quantize_model(model, "int8" if target.quantized else "none", self.path)
         check_draft_compatible(target.config, config, target.tokenizer,
                                target.tokenizer_of(self.path))
-        # Same block ids, separate KV tensors: one block table serves both models.
+        # Same block ids, separate KV tensors: one block table serves both models. The KV is
+        # allocated when the draft first runs: a server whose requests all run with
+        # speculation off never commits or touches it.
         runner = ModelRunner(config, model, num_blocks=target.num_blocks,
                              block_size=target.block_size, dtype=target.dtype,
-                             device=target.device, attn_backend=_draft_backend(target))
+                             device=target.device, attn_backend=_draft_backend(target),
+                             lazy_kv=True)
         return LoadedDraft(self.kind, runner, model, "draft", traced=model)
 
 

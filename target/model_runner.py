@@ -23,6 +23,9 @@ class ModelRunner:
     ``kv_caches[i]`` are views of layer i's (k, v) slices, so the pool is allocated once. The
     cache starts zeroed: attention may read (masked-out) slots never written, and a finite 0
     times a zero softmax weight stays 0, where uninitialized memory could hold NaN.
+    ``lazy_kv``: the pool is allocated on first use (the first forward, or a read of
+    ``kv_cache``), not at construction: a draft model that no request runs then commits no KV
+    memory and zeroes no pages (``kv_allocated`` says whether it has).
     """
 
     def __init__(
@@ -36,6 +39,7 @@ class ModelRunner:
         device: torch.device | str,
         attn_backend: AttentionBackend | str = "auto",
         kv_dtype: torch.dtype | None = None,
+        lazy_kv: bool = False,
     ) -> None:
         """``kv_dtype``: the cache's element type (None: ``dtype``)."""
         if num_blocks <= 0 or block_size <= 0:
@@ -51,15 +55,38 @@ class ModelRunner:
             if isinstance(attn_backend, str)
             else attn_backend
         )
-        mc = model_config
-        self.kv_cache = torch.zeros(
-            (mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim),
-            dtype=kv_dtype or dtype,
+        self.kv_dtype = kv_dtype or dtype
+        self._kv: torch.Tensor | None = None  # [L, 2, N, block_size, KVH, D]
+        self._kv_views: list[KVCache] = []
+        if not lazy_kv:
+            self._allocate_kv()
+
+    def _allocate_kv(self) -> None:
+        mc = self.model_config
+        self._kv = torch.zeros(
+            (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
+            dtype=self.kv_dtype,
             device=self.device,
-        )  # [L, 2, N, block_size, KVH, D]
-        self.kv_caches: list[KVCache] = [
-            (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)
-        ]
+        )
+        self._kv_views = [(self._kv[i, 0], self._kv[i, 1]) for i in range(mc.num_layers)]
+
+    @property
+    def kv_allocated(self) -> bool:
+        return self._kv is not None
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """[num_layers, 2, num_blocks, block_size, KVH, D]"""
+        if self._kv is None:
+            self._allocate_kv()
+        return self._kv  # type: ignore[return-value]
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        """One (k, v) view per layer, each [num_blocks, block_size, KVH, D]."""
+        if self._kv is None:
+            self._allocate_kv()
+        return self._kv_views
 
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

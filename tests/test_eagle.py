@@ -186,6 +186,21 @@ def test_prefix_hits_from_plain_requests_do_not_starve_the_head_of_features(targ
 
 
 @pytest.mark.slow
+def test_unused_eagle_head_allocates_no_kv(target):
+    """Requests with speculation off never run the head, so its KV pool is never allocated;
+    the first request that drafts with it allocates it, and greedy output stays plain."""
+    path, head, hf = target
+    engine = make(path, head)
+    runner = engine.speculator.proposers["eagle"].runner
+    base = prompts([7, 20], seed=5)
+    off = engine.generate(base, GREEDY, SpeculativeParams(method="off"))
+    assert all(o.timings.num_drafted == 0 for o in off) and not runner.kv_allocated
+    outs = engine.generate(base, GREEDY, SpeculativeParams(method="eagle"))
+    assert sum(o.timings.num_drafted for o in outs) > 0 and runner.kv_allocated
+    for p, o, out in zip(base, off, outs):
+        assert o.token_ids == out.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
+
+
 def test_sampled_distribution_equals_target_with_eagle(target):
     """The second token comes out of a k = 1 verify step: its distribution must equal the
     target's exact float64 marginal."""

@@ -69,6 +69,25 @@ def test_per_request_override_and_plain_ab(models):
     assert sum(o.timings.num_drafted for o in ngram) > 0
 
 
+def test_unused_draft_runs_nothing_and_allocates_no_kv(models):
+    """A loaded draft that no request uses costs plain decoding nothing: no draft forward (no
+    catch-up prefill over the prompt either), no KV pool; the first request that drafts
+    allocates it, and its greedy output is still plain decoding's."""
+    target, other, hf = models
+    engine = make(target, draft_model=other)
+    runner = engine.speculator.draft.runner
+    forwards = []
+    runner.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    ps = repetitive_prompts(3)
+    plain = check_greedy(engine, hf, ps, speculative=SpeculativeParams(method="off"))
+    assert all(o.timings.num_drafted == 0 for o in plain)
+    assert forwards == [] and not runner.kv_allocated
+    drafted = check_greedy(engine, hf, ps, speculative=SpeculativeParams("draft", 3))
+    assert sum(o.timings.num_drafted for o in drafted) > 0
+    assert forwards and runner.kv_allocated
+    assert runner.kv_cache.abs().sum() > 0  # the draft wrote its KV into the allocated pool
+
+
 def test_stops_inside_a_multi_token_step(models):
     target, _, hf = models
     engine = make(target, draft_model=target)  # full acceptance: 5 tokens per step
