@@ -69,6 +69,7 @@ def run(mode: str) -> tuple[str, int]:
                     reason="needs torch's OpenMP backend with 2+ threads")
 @pytest.mark.skipif(bool(os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT")),
                     reason="an explicit OpenMP wait policy decides spinning by itself")
+@pytest.mark.e2e  # subprocesses
 def test_one_team_spins_two_teams_sleep_at_every_region():
     released, after_release = run("release")
     assert released == "True"

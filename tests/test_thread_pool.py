@@ -109,6 +109,7 @@ def one_thread(default_model) -> dict[int, torch.Tensor]:
         return {f: _logits(cfg, model, f) for f in FORMS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention_form", FORMS)
 def test_a_region_does_not_wait_for_a_worker_that_has_not_started(default_model, one_thread,
                                                                   attention_form):
@@ -132,6 +133,7 @@ def test_a_region_does_not_wait_for_a_worker_that_has_not_started(default_model,
     assert by_workers_after > by_workers  # workers took chunks again once released
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("p, torch_n", [
     (ThreadPolicy(), 2), (ThreadPolicy(spin_us=-1, wait_us=-1), 2),
     (ThreadPolicy(spin_us=0, wait_us=0), 2), (ThreadPolicy(openmp=True), 2),
@@ -147,6 +149,7 @@ def test_every_wait_policy_gives_the_one_thread_bits(default_model, one_thread, 
             assert ext.pool_stats()[0] == p.threads - 1
 
 
+@pytest.mark.slow
 def test_steps_under_a_burned_core_and_a_waking_thread_are_bit_identical(default_model,
                                                                           one_thread):
     """Another process busy on a core and a thread waking every 2 ms: the OS deschedules the
@@ -160,6 +163,7 @@ def test_steps_under_a_burned_core_and_a_waking_thread_are_bit_identical(default
                     assert torch.equal(_logits(cfg, model, f), one_thread[f])
 
 
+@pytest.mark.e2e
 def test_pool_follows_torch_threads():
     """The team is torch.get_num_threads(): the caller and n - 1 workers, resized with it."""
     x = torch.randn(4, 576)
@@ -187,6 +191,7 @@ def _policy_in_fresh_process(env_value: str | None) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.e2e
 def test_a_process_starts_with_the_default_or_the_env_policy():
     """The C++ pool's own default is ThreadPolicy()'s; SPECSERVE_THREAD_POLICY replaces it when
     the extension loads (how a server is run under another policy); a malformed value keeps
@@ -221,6 +226,7 @@ def test_policy_round_trip_and_env(monkeypatch):
         ext.set_thread_policy(-5, 0, False)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, message", [
     (["--policies", "spin=3"], "--policies: thread policy 'spin=3': expected 'openmp' or"),
     (["--omp", "lazy"], "--omp takes default, passive, active or VAR=value"),
