@@ -165,17 +165,23 @@ def test_steps_under_a_burned_core_and_a_waking_thread_are_bit_identical(default
 
 @pytest.mark.e2e
 def test_pool_follows_torch_threads():
-    """The team is torch.get_num_threads(): the caller and n - 1 workers, resized with it."""
+    """Under a policy with threads=0 the team is torch.get_num_threads(): the caller and n - 1
+    workers, resized with it; a policy's threads=k fixes the team at k whatever torch's count.
+    (The policy is set here: an engine built earlier in the process may have chosen another.)"""
     x = torch.randn(4, 576)
     from specserve.kernels.quant import BlockQuantLinear, quantize
 
     layer = BlockQuantLinear(quantize(torch.randn(1536, 576) * 0.05, "q4_1"))
     ref = layer(x)
-    for n in (3, 2, 1):
-        with torch_threads(n):
-            assert torch.equal(layer(x), ref)
-            if n > 1:
-                assert ext.pool_stats()[0] == n - 1
+    with policy(ThreadPolicy()):
+        for n in (3, 2, 1):
+            with torch_threads(n):
+                assert torch.equal(layer(x), ref)
+                if n > 1:
+                    assert ext.pool_stats()[0] == n - 1
+    with policy(ThreadPolicy(threads=3)), torch_threads(1):
+        assert torch.equal(layer(x), ref)
+        assert ext.pool_stats()[0] == 2
 
 
 def _policy_in_fresh_process(env_value: str | None) -> str:
