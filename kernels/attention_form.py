@@ -1,27 +1,24 @@
-"""Which form of the C++ paged attention a process runs, measured: ``1024 * seg + 64 * isa +
-tile``, isa 0 (AVX2), 1 (AVX-512) or 2 (AVX-512 BF16 products: bfloat16 caches only, queries and
-weights rounded to bfloat16), tile the query positions per work item (8 or 16), seg 0
-(each row's keys in one run) or 1-3 (keys in segments of 128, 256 or 512 positions, folded in
-order, so that a lone sequence's few KV heads spread over every thread).
+"""Which form of the C++ paged attention a process runs: ``1024 * seg + 64 * isa + tile``, isa 0
+(AVX2), 1 (AVX-512) or 2 (AVX-512 BF16 products: bfloat16 caches only, queries and weights
+rounded to bfloat16), tile the query positions per work item (8 or 16), seg 0 (each row's keys
+in one run) or 1-3 (keys in segments of 128, 256 or 512 positions, folded in order, so that a
+lone sequence's few KV heads spread over every thread).
 
-The two ISAs, and the segment sizes, sum in different orders, so a process must use one form for
-every call (a verify row then equals the decode row at its position, bit for bit); which is
-faster depends on the CPU (AVX-512 runs at full width on Zen 5, double-pumped on Zen 4, at lower
-clocks on some Xeons), and so do the tile (larger tiles re-read keys less, smaller ones split a
-verify over more threads) and the segment (shorter ones balance the threads better and cost a
-fold each). Tiles change no bits. So the first engine on a machine times every form on the
-model's attention shape, at a decode row and two verifies over synthetic paged caches of a short
-and a long context, and keeps the form that is fastest relative to the best on each case (~2 s
-once per machine); the choice is cached per CPU model, torch threads, shape and extension build
-under ``$SPECSERVE_CACHE_DIR/tune``, so every later start (and every server restart) runs the
-same form and gives the same bits.
+The two ISAs, and the segment sizes, sum in different orders: they decide the bits. So they are
+never chosen by timing: ``numerics`` fixes them from what the CPU has (the widest instruction
+set for the cache, segments of ``SEGMENT``), and a process's answers do not depend on how busy
+the machine was when it first started, on ``--num-threads`` or on ``--no-kernel-tuning`` (a
+first start chose a form without segments on 2 threads and one with them on 1, and 3 of 20
+greedy answers differed between the two). Tiles change no bits, and which is faster depends on
+the CPU (larger tiles re-read keys less, smaller ones split a verify over more threads): the
+first engine on a machine times the tiles of its numerics on the model's attention shape, at a
+decode row and two verifies over synthetic paged caches of a short and a long context (~1 s
+once per machine), cached per CPU model, torch threads, shape and extension build under
+``$SPECSERVE_CACHE_DIR/tune``.
 
-The timing has a budget (``DEFAULT_BUDGET_S``): a pass times every form on every case, and no
-pass starts once the budget is spent (the warm-up and one timed pass always run), so a busy
-machine chooses from fewer passes instead of stalling its first start (10 passes took 144 s
-on this project's loaded 2-core machine). The cached record says how many passes it rests on.
-Unlike the kernel tuner's table, a later start does not refine a choice cut short: its form
-decides the bits, and restarts must keep them.
+The timing has a budget (``DEFAULT_BUDGET_S``): a pass times every candidate on every case, and
+no pass starts once the budget is spent (the warm-up and one timed pass always run), so a busy
+machine chooses from fewer passes instead of stalling its first start.
 """
 
 from __future__ import annotations
@@ -43,7 +40,11 @@ log = logging.getLogger(__name__)
 AVX2, AVX512, BF16_DOT = 0, 1, 2  # isa
 TILES = (8, 16)
 SEGMENTS = (0, 1, 2, 3)  # 0: none; s: segments of 64 << s key positions
-DEFAULT = 64 * AVX2 + 8  # untimed (kernel tuning off): runs on every CPU the extension runs on
+DEFAULT = 64 * AVX2 + 8  # runs on every CPU the extension runs on (tests' baseline form)
+# Key segments of 64 << SEGMENT = 256 positions in every form a process runs: a decode row of a
+# long context then spreads over the threads (without them it ran ~1.5x slower on 2 threads),
+# at one fold per 256 keys.
+SEGMENT = 2
 _CONTEXTS = (768, 2048)  # keys per timed sequence: a chat context, a long one
 _ROWS = (1, 5, 17)  # a decode step, a 4-token verify and a 16-token one
 _LAYERS = 8  # distinct caches per pass, so the keys come from memory as in a real step
@@ -136,25 +137,46 @@ def time_forms(num_heads: int, num_kv_heads: int, head_dim: int, forms: list[int
                     ext.paged_attention(q, k, v, table, seq_of, pos_of, head_dim ** -0.5, 0, f)
                 if rep:  # the first pass warms up
                     samples[f][c].append(clock() - t0)
-    # The fastest pass, not the median: another process's work only ever adds time, and one
-    # start's choice is cached for good (one start kept a form without key segments whose
-    # decode row runs ~1.5x slower than the segmented ones'; 5 tunings in a row: the fastest
-    # pass picked the same form 5 times, the median 4).
+    # The fastest pass, not the median: another process's work only ever adds time (5 tunings
+    # in a row: the fastest pass picked the same form 5 times, the median 4).
     fastest = {f: [min(s) for s in per_case] for f, per_case in samples.items()}
     best = [min(m[c] for m in fastest.values()) for c in range(len(cases))]
     return {f: sum(t / b for t, b in zip(m, best)) for f, m in fastest.items()}, timed
+
+
+def numerics(head_dim: int, cache_dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """(isa, seg) of every form this process runs for ``head_dim`` and ``cache_dtype``: what
+    decides the bits, from the CPU's instruction sets alone (never from timing). A bfloat16
+    cache takes the bfloat16-product form where the CPU has it (the reason ``kv_cache_dtype``
+    auto picks that cache), else AVX-512, else AVX2; segments of ``64 << SEGMENT`` keys."""
+    forms = supported_forms(head_dim, cache_dtype)
+    for isa in ((BF16_DOT, AVX512, AVX2) if cache_dtype == torch.bfloat16 else (AVX512, AVX2)):
+        if form(isa, TILES[0], SEGMENT) in forms:
+            return isa, SEGMENT
+    return AVX2, SEGMENT
+
+
+def candidate_forms(head_dim: int, cache_dtype: torch.dtype = torch.float32) -> list[int]:
+    """The forms of this process's numerics (one per tile): any of them gives the same bits."""
+    if not quant_ext.available():
+        return []
+    isa, seg = numerics(head_dim, cache_dtype)
+    forms = supported_forms(head_dim, cache_dtype)
+    return [f for f in (form(isa, t, seg) for t in TILES) if f in forms]
 
 
 def choose_form(num_heads: int, num_kv_heads: int, head_dim: int, cache_dir: Path | None,
                 measure: bool = True, cache_dtype: torch.dtype = torch.float32,
                 budget_s: float | None = DEFAULT_BUDGET_S,
                 clock: Callable[[], float] = time.perf_counter) -> int:
-    """The form this process runs for a KV cache of ``cache_dtype``. ``measure=False`` (kernel
-    tuning off): DEFAULT, which runs everywhere, so the choice never depends on timing noise.
-    ``budget_s``: see ``time_forms``."""
-    forms = supported_forms(head_dim, cache_dtype)
-    if not measure or len(forms) < 2:
+    """The form this process runs for a KV cache of ``cache_dtype``: one of ``candidate_forms``,
+    so the same bits whatever is measured. ``measure=False`` (kernel tuning off): the first
+    tile, untimed. ``budget_s``: see ``time_forms``."""
+    forms = candidate_forms(head_dim, cache_dtype)
+    if not forms:
         return DEFAULT
+    if not measure or len(forms) < 2:
+        return forms[0]
     key = "|".join([cpu_model(), torch.__version__, str(torch.get_num_threads()),
                     f"{num_heads}x{num_kv_heads}x{head_dim}", quant_ext.build_key(),
                     str(cache_dtype)])
@@ -163,7 +185,7 @@ def choose_form(num_heads: int, num_kv_heads: int, head_dim: int, cache_dir: Pat
         path = cache_dir / f"attention-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
         try:
             cached = int(json.loads(path.read_text())["form"])
-            if cached in forms:
+            if cached in forms:  # a record from before the numerics were fixed is re-timed
                 return cached
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -174,9 +196,8 @@ def choose_form(num_heads: int, num_kv_heads: int, head_dim: int, cache_dir: Pat
     log.info("attention form %d from %d of %d timed passes (cost relative to the best per "
              "case: %s)", best, passes, repeats, {f: round(c, 3) for f, c in cost.items()})
     if passes < repeats:
-        log.warning("attention form timing cut by its %.0fs budget: %d of %d passes; the choice "
-                    "stands for every later start (its bits must not change)", budget_s,
-                    passes, repeats)
+        log.warning("attention tile timing cut by its %.0fs budget: %d of %d passes (the tile "
+                    "changes no bits)", budget_s, passes, repeats)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -132,14 +132,15 @@ def test_key_segments_fold_to_the_same_bits_in_any_call(window, form):
 
 @pytest.mark.slow
 def test_attention_form_is_measured_once_and_cached(tmp_path, monkeypatch):
-    """Tuning off: AVX2, no timing. On: a form this CPU runs, written to the cache; a second
-    engine start reads it back without timing (so restarts keep the same form and bits)."""
+    """Tuning off: the numerics' first tile, no timing. On: one of the candidates, written to
+    the cache; a second engine start reads it back without timing."""
     from specserve.kernels import attention_form
 
-    assert attention_form.choose_form(9, 3, 64, tmp_path, measure=False) == attention_form.DEFAULT
+    candidates = attention_form.candidate_forms(64)
+    assert attention_form.choose_form(9, 3, 64, tmp_path, measure=False) == candidates[0]
     form = attention_form.choose_form(9, 3, 64, tmp_path)
-    assert form in attention_form.supported_forms(64)
-    if len(attention_form.supported_forms(64)) > 1:
+    assert form in candidates
+    if len(candidates) > 1:
         assert list(tmp_path.glob("attention-*.json"))
 
         def no_timing(*args, **kwargs):
@@ -147,6 +148,42 @@ def test_attention_form_is_measured_once_and_cached(tmp_path, monkeypatch):
 
         monkeypatch.setattr(attention_form, "time_forms", no_timing)
         assert attention_form.choose_form(9, 3, 64, tmp_path) == form
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_what_timing_chooses_never_changes_a_bit(tmp_path, monkeypatch, cache_dtype):
+    """Whichever candidate the timing favours (each in turn, and tuning off), the form has the
+    process's numerics, and a long prefill, a decode row and a verify through it give the
+    same bits as through every other candidate; a cached record of a form outside the
+    numerics (written before they were fixed) is timed again, not run."""
+    import json
+
+    from specserve.kernels import attention_form
+    from specserve.kernels.cpu_paged import CpuPagedAttention
+
+    candidates = attention_form.candidate_forms(16, cache_dtype)
+    isa, seg = attention_form.numerics(16, cache_dtype)
+    assert candidates and all(f // 1024 == seg and f % 1024 // 64 == isa for f in candidates)
+    assert attention_form.choose_form(4, 2, 16, None, measure=False,
+                                      cache_dtype=cache_dtype) in candidates
+    for favoured in candidates:
+        def timing(*args, favoured=favoured, **kwargs):
+            return {f: 1.0 if f == favoured else 2.0 for f in args[3]}, 1
+
+        monkeypatch.setattr(attention_form, "time_forms", timing)
+        assert attention_form.choose_form(4, 2, 16, None, cache_dtype=cache_dtype) == favoured
+    other = next(f for f in attention_form.supported_forms(16, cache_dtype)
+                 if f not in candidates)
+    attention_form.choose_form(4, 2, 16, tmp_path, cache_dtype=cache_dtype)
+    (record,) = tmp_path.glob("attention-*.json")
+    record.write_text(json.dumps({"form": other}))
+    assert attention_form.choose_form(4, 2, 16, tmp_path, cache_dtype=cache_dtype) in candidates
+    # a context of 600 keys: several segments, a 300-row prefill chunk, a verify, a decode row
+    q, k, v, kc, vc, meta, _ = _attention_case(11, [300, 5, 1], [600, 600, 600], None,
+                                               cache_dtype)
+    outs = [CpuPagedAttention(form=f).forward(q, k, v, kc.clone(), vc.clone(), meta, 0.25, None)
+            for f in candidates]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_an_unsupported_attention_form_names_the_forms():

@@ -234,3 +234,24 @@ def test_ngram_stop_string_identical_to_plain(engine, ngram_engine):
         b = ngram_engine.generate([prompt], params)[0]
         assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
         assert b.text == full.text[: full.text.index(stop)]
+
+
+@pytest.mark.slow
+def test_greedy_answers_do_not_depend_on_threads_or_kernel_tuning():
+    """The default quantized engine's greedy answer to a long prompt (~470 tokens: keys in
+    several segments) is the same token for token on 1 and 2 threads and with kernel tuning
+    off: what a first start measures picks only kernel variants that change no bits."""
+    import json
+    from pathlib import Path
+
+    text = json.loads((Path(__file__).parents[1] / "benchmarks" / "prompts" /
+                       "summarize.json").read_text())[0]
+    answers = []
+    for kw in ({"num_threads": 1}, {"num_threads": 2}, {"num_threads": 2, "kernel_tuning": False}):
+        eng = LLMEngine(EngineConfig(kv_cache_memory=256 << 20, max_model_len=2048, **kw))
+        ids = eng.encode(eng.render_chat([{"role": "user", "content": text}]))
+        assert len(ids) > 400
+        out = eng.generate([ids], SamplingParams(max_tokens=48, temperature=0.0))[0]
+        answers.append(out.token_ids)
+    assert len(answers[0]) > 16  # an answer, not an early stop: many steps' logits compared
+    assert answers[0] == answers[1] == answers[2]
