@@ -14,7 +14,13 @@ from specserve.draft.ngram import NgramProposer, find_ngram_match
 from specserve.draft.suffix import SuffixProposer
 from specserve.spec.acceptance_model import AcceptanceModel, DraftHints, expected_by_k
 from specserve.spec.policy import Candidate
-from tests.helpers.speculation import check_greedy, copy_prompt, make, policy_with_step_cost
+from tests.helpers.speculation import (
+    check_greedy,
+    copy_prompt,
+    make,
+    policy_with_step_cost,
+    with_fixed_costs,
+)
 
 
 def _simulate(model: AcceptanceModel, hazard, rng: random.Random, drafts: int,
@@ -116,8 +122,8 @@ def test_the_engine_learns_hazards_from_verified_drafts(models):
     the verified draft tokens land in the suffix bins (at least the accepted ones, at most the
     drafted ones: the examined tokens lie between, less the bins' slow decay)."""
     target, _, hf = models
-    engine = make(target, speculative_method="suffix", adaptive_speculation=True,
-                  suffix_speculative_tokens=8)
+    engine = with_fixed_costs(make(target, speculative_method="suffix",
+                                   adaptive_speculation=True, suffix_speculative_tokens=8))
     outs = check_greedy(engine, hf, [copy_prompt(2), copy_prompt(3)])
     drafted = sum(o.timings.num_drafted for o in outs)
     accepted = sum(o.timings.num_accepted for o in outs)
@@ -132,8 +138,8 @@ def test_sampled_requests_keep_their_own_acceptance(models):
     acceptance under separate names (a sample matches a draft less often than an argmax), and
     both kinds' verified draft tokens reach their own hazard bins."""
     target, _, hf = models
-    engine = make(target, speculative_method="suffix", adaptive_speculation=True,
-                  suffix_speculative_tokens=8)
+    engine = with_fixed_costs(make(target, speculative_method="suffix",
+                                   adaptive_speculation=True, suffix_speculative_tokens=8))
     prompts = [copy_prompt(4), copy_prompt(5)]
     check_greedy(engine, hf, prompts)
     engine.generate(prompts, SamplingParams(max_tokens=24, temperature=1.5, ignore_eos=True))

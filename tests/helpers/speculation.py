@@ -45,6 +45,19 @@ def copy_prompt(seed: int) -> list[int]:
     return block * 3 + block[:4]
 
 
+def with_fixed_costs(engine: LLMEngine, fixed: float = 0.010,
+                     per_token: float = 0.002) -> LLMEngine:
+    """The engine's adaptive policy priced from steps costing ``fixed + per_token * n`` seconds,
+    with nothing it times recorded (target steps, draft steps, proposer host time): what it
+    drafts then depends on acceptance alone, never on how busy the machine is."""
+    policy = engine.speculator.policy
+    policy.target_cost = policy_with_step_cost(fixed, per_token).target_cost
+    policy.record_target = lambda num_tokens, seconds: None
+    policy.record_draft_step = lambda num_seqs, seconds: None
+    policy.record_proposer = lambda method, seconds: None
+    return engine
+
+
 def policy_with_step_cost(fixed: float, per_token: float) -> SpeculationPolicy:
     """A policy that has measured steps costing ``fixed + per_token * n`` seconds."""
     policy = SpeculationPolicy()
