@@ -115,7 +115,11 @@ def default_row_counts(k_max: int, max_num_seqs: int, max_batched: int) -> list[
 
 
 def _signature(module: nn.Module) -> str | None:
+    """The module's tuning group; None for what has nothing to choose between (a block layer
+    without the C++ kernels runs its one dense fallback)."""
     if isinstance(module, BlockQuantLinear):
+        if not module.has_kernel or not quant_ext.supported_isas():
+            return None
         return f"block:{module.fmt}:{module.out_features}x{module.in_features}"
     if isinstance(module, DenseLinear):
         n, k = module.weight.shape

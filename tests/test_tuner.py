@@ -297,3 +297,21 @@ def test_attention_form_budget_cuts_passes_and_the_choice_stands(tmp_path, monke
 
     monkeypatch.setattr(attention_form, "time_forms", no_timing)
     assert attention_form.choose_form(9, 3, 64, tmp_path) == form
+
+
+def test_a_block_layer_without_the_kernels_is_not_tuned():
+    """A block layer whose C++ kernels cannot run (no usable extension) runs its one dense
+    fallback: the tuner leaves it out instead of choosing among no candidates."""
+    import torch
+    from torch import nn
+
+    from specserve.kernels import tuner
+    from specserve.kernels.quant import BlockQuantLinear, quantize
+
+    with_kernel = BlockQuantLinear(quantize(torch.randn(64, 64) * 0.05, "q8_0"))
+    without = BlockQuantLinear(quantize(torch.randn(32, 64) * 0.05, "q8_0"))
+    without._ext = None
+    groups = tuner.model_groups(nn.Sequential(with_kernel, without))
+    assert list(groups) == (["block:q8_0:64x64"] if with_kernel.has_kernel else [])
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(without(x), x @ without.weight.dequantize().T)
