@@ -255,7 +255,11 @@ def run_server(engine: AsyncEngine, config: ServerConfig, model: str | None = No
         task.cancel()
 
     app.cleanup_ctx.append(watchdog)
-    log.info("listening", host=config.host, port=config.port, model=app[APP_KEY].model_name)
+    inner = engine.engine
+    log.info("listening", host=config.host, port=config.port, model=app[APP_KEY].model_name,
+             engine=inner.config.summary(),
+             attention_form=getattr(inner.attn_backend, "form", None),
+             threads=inner.threads.describe())
     web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
                 handler_cancellation=True, shutdown_timeout=config.shutdown_timeout)
     log.info("stopped")
