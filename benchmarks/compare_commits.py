@@ -63,7 +63,6 @@ from benchmarks.report import (  # noqa: E402
     write_json,
     write_results_section,
 )
-from tools import checkout as checkout_tool  # noqa: E402
 
 WORKLOADS = ("chat", "rewrite", "code", "summarize")
 MODES = (None, "off")  # None: the server's default speculation (no `speculative` field)
@@ -171,15 +170,9 @@ def default_old() -> str:
     return git("merge-base", "main", "HEAD")
 
 
-class TreeServer(LaunchedServer):
-    """``specserve serve`` of ``tree``'s code (tools/checkout.py, PYTHONPATH unset), not the
-    installed checkout's."""
-
-    def __init__(self, tree: Tree, flags: list[str], log_path: Path, timeout: float) -> None:
-        super().__init__(flags, log_path, timeout)
-        assert self.command[1:3] == ["-m", "specserve"], self.command
-        self.command = ["env", "-u", "PYTHONPATH", "-C", str(tree.path), *checkout_tool.command(
-            tree.path), *self.command[1:]]
+def tree_server(tree: Tree, flags: list[str], log_path: Path, timeout: float) -> LaunchedServer:
+    """``specserve serve`` of ``tree``'s code, not the installed checkout's."""
+    return LaunchedServer(flags, log_path, timeout, root=tree.path)
 
 
 # --- answers -------------------------------------------------------------------------------------
@@ -381,9 +374,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, trees: list[Tree], flags: list[str], prompts: list[Prompt],
         out: Path, log) -> int:
-    servers = {t.label: TreeServer(t, flags, out / f"server-{t.label}.log", args.startup_timeout)
+    servers = {t.label: tree_server(t, flags, out / f"server-{t.label}.log", args.startup_timeout)
                for t in trees}
-    started: list[TreeServer] = []
+    started: list[LaunchedServer] = []
     try:
         for t in trees:  # one at a time: a first start tunes kernels, which wants a quiet CPU
             t0 = time.monotonic()

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.report import BenchError
+from tools import checkout
 
 
 def stop_children_on_sigterm() -> None:
@@ -35,15 +36,18 @@ def free_port() -> int:
 class LaunchedServer:
     """``specserve serve`` in a subprocess on a free port; its output goes to ``log_path``.
 
-    ``root``: run it from that source checkout (its working directory and PYTHONPATH), so it
-    serves that tree's code whatever the caller's directory; by default it runs where the caller
-    does. ``stop_timeout``: seconds a SIGTERM gets to end it before it is killed."""
+    ``root``: serve that source checkout's code, run from its folder through tools/checkout.py
+    (PYTHONPATH unset), whichever checkout the environment has installed: an editable install
+    would otherwise mix the installed checkout's kernels/, target/ and draft/ with ``root``'s
+    specserve/. By default it runs the installed code where the caller does. ``stop_timeout``:
+    seconds a SIGTERM gets to end it before it is killed."""
 
     def __init__(self, flags: list[str], log_path: Path, timeout: float, root: Path | None = None,
                  stop_timeout: float = 30.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "specserve", "serve", "--host", "127.0.0.1",
+        runner = [sys.executable] if root is None else checkout.command(root)
+        self.command = [*runner, "-m", "specserve", "serve", "--host", "127.0.0.1",
                         "--port", str(self.port), *flags]
         self.log_path, self.timeout = log_path, timeout
         self.root, self.stop_timeout = root, stop_timeout
@@ -51,7 +55,9 @@ class LaunchedServer:
 
     def __enter__(self) -> LaunchedServer:
         stop_children_on_sigterm()
-        env = None if self.root is None else {**os.environ, "PYTHONPATH": str(self.root)}
+        env = None
+        if self.root is not None:
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                          cwd=self.root, env=env)
