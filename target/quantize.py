@@ -35,6 +35,7 @@ from specserve.kernels.quant import (
     gguf_format,
 )
 from specserve.kernels.quant import quantize as quantize_blocks
+from specserve.target.config import ModelConfig
 from specserve.target.model import CausalLM, set_fused_ops
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,56 @@ def resolve_quantization(choice: str, model_path: str, device: torch.device) -> 
     from specserve.target.loader import is_gguf
 
     return "gguf" if device.type == "cpu" and is_gguf(model_path) else "none"
+
+
+def dense_projection_tensors(mode: str, model_path: str | Path, config: ModelConfig
+                             ) -> dict[str, str]:
+    """The projections a quantized model (``mode`` gguf / int4 / int8) would run as dense float
+    matmuls, whose sums depend on the row count (torch picks its reduction by shape): tensor
+    name -> why. Empty when every projection runs a batch-invariant block kernel, and for
+    ``none`` (the dense reference path, chosen by the user). Read from the file's tensor types
+    and the model's shapes, without building the model, by the same rules ``quantize_model``
+    applies."""
+    if mode == "none":
+        return {}
+    if not quant_ext.available():
+        return {"every projection": "the C++ block kernels cannot be built on this machine"}
+    if mode == "gguf":
+        import gguf
+
+        reader = gguf.GGUFReader(str(model_path))
+        names = {t.name: t.tensor_type.name for t in reader.tensors}
+        out = {}
+        for name, type_name in names.items():
+            pieces = name.split(".")
+            projection = (len(pieces) == 4 and pieces[0] == "blk" and pieces[2] in _GGUF_PARTS
+                          or name == "output.weight"
+                          or name == "token_embd.weight" and "output.weight" not in names
+                          and config.tie_word_embeddings)
+            if projection and gguf_format(type_name) is None:
+                out[name] = f"{type_name} has no block kernel"
+        return out
+    shapes = {"q/k/v, gate/up projections and lm_head": config.hidden_size,
+              "o_proj": config.q_size, "down_proj": config.intermediate_size}
+    return {name: f"K={k} is not a multiple of 32" for name, k in shapes.items() if k % 32}
+
+
+def speculation_caveat(dense: dict[str, str]) -> str | None:
+    """Why speculation is off by default on a model with ``dense`` projections (None: it is
+    lossless there). Greedy speculation is exact only when a k+1-row verify computes each row
+    with the bits a one-row step would."""
+    if not dense:
+        return None
+    why: dict[str, list[str]] = {}
+    for name, reason in dense.items():
+        why.setdefault(reason, []).append(name)
+    parts = "; ".join(f"{len(names)} tensor{'s' if len(names) > 1 else ''} ({names[0]}"
+                      f"{', ...' if len(names) > 1 else ''}): {reason}"
+                      for reason, names in why.items())
+    return (f"speculation is off by default: some projections run dense float matmuls, whose "
+            f"sums depend on the row count, so a speculative verify could pick other tokens than "
+            f"plain decoding ({parts}); a request (or --speculative-method) that asks for "
+            f"speculation gets it, with this warning in its timings")
 
 
 def projection_modules(model: CausalLM) -> dict[str, nn.Linear]:

@@ -149,6 +149,8 @@ class LLMEngine:
         method = self.speculator.add(seq, speculative)  # raises for a method it cannot run
         state = RequestState(seq, detok, self.eos_token_ids, self.config.max_model_len, generator)
         state.timings.speculative_method = method
+        if method != "off":
+            state.timings.warning = self.config.speculation_caveat
         self.requests[request_id] = state
         self.scheduler.add(seq)
 

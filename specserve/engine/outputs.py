@@ -27,6 +27,9 @@ class RequestTimings:
     num_accepted: int = 0  # of those, accepted by the target
     num_verify_steps: int = 0  # steps that verified >= 1 draft; drafted / steps = mean chosen k
     speculative_method: str = "off"
+    # Set when the request speculates on a model where that may change greedy answers (the
+    # resolver's speculation_caveat: projections without a batch-invariant kernel).
+    warning: str | None = None
 
     @property
     def acceptance_rate(self) -> float | None:

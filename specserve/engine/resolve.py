@@ -16,7 +16,10 @@ Every "auto" and every derived value is decided here, once, in one function per 
                                                    free GPU memory), target + draft per block
     draft                 engine/models.py         the shipped draft beside the built-in model
     speculative method    the proposer registry    what the draft implies (eagle for a head),
-                                                   else auto; names checked against the registry
+                                                   else auto; names checked against the registry;
+                                                   off (with the reason, ``speculation_caveat``)
+                                                   while a quantized model has projections
+                                                   without a batch-invariant kernel
     threads               ``resolve_threads``      fixed by --num-threads or
                                                    SPECSERVE_THREAD_POLICY, else chosen by
                                                    measurement at start-up
@@ -46,7 +49,11 @@ from specserve.kernels.thread_policy import from_env as thread_policy_from_env
 from specserve.target.config import ModelConfig
 from specserve.target.loader import Weights, read_weights
 from specserve.target.model_runner import ModelRunner
-from specserve.target.quantize import resolve_quantization
+from specserve.target.quantize import (
+    dense_projection_tensors,
+    resolve_quantization,
+    speculation_caveat,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +83,9 @@ class ResolvedConfig:
     kv_bytes_per_block: int  # target + draft
     draft: DraftChoice | None
     default_speculative_method: str  # of requests that name none
+    # Why speculation may change greedy answers on this model (None: it cannot); then the
+    # default method is off unless the user asked for one.
+    speculation_caveat: str | None
     threads_fixed_by: str | None  # the flag or variable that fixed them; None: measured
 
     @property
@@ -136,6 +146,13 @@ def resolve_config(asked: EngineConfig, files: ModelFiles,
     quantized = quantization != "none"
     dtype = resolve_dtype(asked.dtype, device, quantized)
     mc = files.target.config
+    caveat = speculation_caveat(dense_projection_tensors(quantization, files.model_path, mc))
+    if caveat is not None:
+        if asked.speculative_method is None:
+            method = "off"
+        log.warning("%s%s", caveat, "" if asked.speculative_method is None else
+                    f" (--speculative-method {asked.speculative_method} asks for it: every "
+                    f"request that does not say otherwise speculates)")
     backend = resolve_attention_backend(asked.attention_backend, device,
                                         block_size=asked.block_size, quantized=quantized)
     kv_dtype = resolve_kv_dtype(asked.kv_cache_dtype, dtype, backend, device,
@@ -151,7 +168,7 @@ def resolve_config(asked: EngineConfig, files: ModelFiles,
         device=device, dtype=dtype, quantization=quantization, attention_backend=backend,
         kv_cache_dtype=kv_dtype, max_model_len=max_model_len, num_kv_blocks=num_blocks,
         kv_bytes_per_block=per_block, draft=draft, default_speculative_method=method,
-        threads_fixed_by=resolve_threads(asked),
+        speculation_caveat=caveat, threads_fixed_by=resolve_threads(asked),
     )
 
 

@@ -146,7 +146,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     s = request.app[APP_KEY]
-    card = P.ModelCard(s.model_name, "model", s.started, "specserve", s.engine.max_model_len)
+    config = s.engine.engine.config
+    card = P.ModelCard(s.model_name, "model", s.started, "specserve", s.engine.max_model_len,
+                       config.default_speculative_method, config.speculation_caveat)
     return _json(P.ModelList("list", [card]))
 
 

@@ -330,6 +330,10 @@ class ModelCard(msgspec.Struct):
     created: int
     owned_by: str
     max_model_len: int
+    # Extensions: the method of requests that name none, and why it is off where speculation
+    # could change greedy answers on this model (None: it cannot).
+    default_speculative_method: str = "off"
+    speculation_caveat: str | None = None
 
 
 class ModelList(msgspec.Struct):

@@ -1,0 +1,112 @@
+"""Speculation stays lossless by default on every file: a GGUF with a projection whose type has
+no batch-invariant block kernel (here F16, which runs as a dense float matmul) defaults to plain
+decoding, says why at start-up and in GET /v1/models, and a request that asks for speculation
+gets it with the warning in its timings. A GGUF whose projections all have kernels keeps the
+registry's default."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from specserve.core.config import EngineConfig
+from tests.helpers.tiny_models import GGUF_VOCAB_SIZE, HF_INIT, build_tiny_model, tiny_config
+
+CFG = dict(vocab_size=GGUF_VOCAB_SIZE, hidden_size=64, intermediate_size=96,
+           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+           max_position_embeddings=256, tie_word_embeddings=False)
+
+
+@contextlib.contextmanager
+def _typed_tensors(types: dict[str, str]):
+    """While open, GGUFWriter.add_tensor stores the float tensors whose name contains a key of
+    ``types`` in that GGUF type (gguf's own quantizer), the rest as given (F32)."""
+    import gguf
+
+    original = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(self, name, tensor, *args, **kwargs):
+        for part, type_name in types.items():
+            if part in name and tensor.ndim == 2:
+                qtype = gguf.GGMLQuantizationType[type_name]
+                if qtype == gguf.GGMLQuantizationType.F16:
+                    return original(self, name, tensor.astype(np.float16))
+                raw = gguf.quants.quantize(tensor.astype(np.float32), qtype)
+                return original(self, name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+        return original(self, name, tensor, *args, **kwargs)
+
+    gguf.GGUFWriter.add_tensor = add_tensor
+    try:
+        yield
+    finally:
+        gguf.GGUFWriter.add_tensor = original
+
+
+def _gguf(path, down_type: str) -> str:
+    """A tiny Llama GGUF: every projection and the lm_head Q8_0, ffn_down in ``down_type``."""
+    types = {"ffn_down": down_type, "attn_": "Q8_0", "ffn_": "Q8_0", "output.": "Q8_0"}
+    with _typed_tensors(types):
+        build_tiny_model(path, tiny_config("llama", **CFG), init=HF_INIT, fmt="gguf")
+    return str(path)
+
+
+def _engine_config(path: str, **kw) -> EngineConfig:
+    return EngineConfig(model=path, draft_model="none", kv_cache_memory=16 << 20,
+                        max_model_len=256, adaptive_speculation=False, **kw)
+
+
+def _resolve(cfg: EngineConfig):
+    from specserve.engine.resolve import ModelFiles, resolve_config
+
+    return resolve_config(cfg, ModelFiles.open(cfg))
+
+
+def test_every_projection_native_keeps_the_default(tmp_path):
+    from specserve.draft.registry import REGISTRY
+
+    resolved = _resolve(_engine_config(_gguf(tmp_path / "q8.gguf", "Q8_0")))
+    assert resolved.quantization == "gguf"
+    assert resolved.speculation_caveat is None
+    assert resolved.default_speculative_method == REGISTRY.default_method(None) != "off"
+
+
+def test_a_dense_projection_turns_default_speculation_off(tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        resolved = _resolve(_engine_config(_gguf(tmp_path / "f16.gguf", "F16")))
+    assert resolved.default_speculative_method == "off"
+    caveat = resolved.speculation_caveat
+    assert caveat is not None and "blk.0.ffn_down.weight" in caveat and "F16" in caveat
+    assert caveat in caplog.text
+    # Asked for explicitly, the user's method stands (with the same caveat on record).
+    asked = _resolve(_engine_config(resolved.model_path, speculative_method="ngram"))
+    assert asked.default_speculative_method == "ngram" and asked.speculation_caveat == caveat
+
+
+@pytest.mark.slow
+def test_server_says_why_and_warns_requests_that_speculate(tmp_path):
+    from specserve.server.server_config import ServerConfig
+    from tests.helpers.servers import KEY, NAME, ServerThread, http
+
+    path = _gguf(tmp_path / "f16.gguf", "F16")
+    srv = ServerThread(_engine_config(path), ServerConfig(port=0, api_key=KEY,
+                                                          served_model_name=NAME))
+    try:
+        status, cards = http("GET", srv.url + "/v1/models")
+        assert status == 200, cards
+        card = cards["data"][0]
+        assert card["default_speculative_method"] == "off"
+        assert "blk.0.ffn_down.weight" in card["speculation_caveat"]
+        body = {"model": NAME, "prompt": "ab ab ab ab", "max_tokens": 8, "temperature": 0}
+        status, plain = http("POST", srv.url + "/v1/completions", body)
+        assert status == 200, plain
+        assert plain["timings"]["speculative_method"] == "off"
+        assert plain["timings"]["warning"] is None
+        status, spec = http("POST", srv.url + "/v1/completions",
+                            {**body, "speculative": {"method": "ngram", "num_tokens": 3}})
+        assert status == 200, spec
+        assert spec["timings"]["speculative_method"] == "ngram"
+        assert spec["timings"]["warning"] == card["speculation_caveat"]
+    finally:
+        srv.stop()
