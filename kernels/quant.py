@@ -1,10 +1,14 @@
-"""Block-quantized weights: llama.cpp's Q4_1 and Q8_0 formats (32 weights per block), held as
-planes of the file's own numbers, and the linear layer that computes with them.
+"""Block-quantized weights: llama.cpp's Q4_1 and Q8_0 formats (32 weights per block), and Q8_F
+(int8 codes with float32 scales), held as planes of the file's own numbers, and the linear layer
+that computes with them.
 
     Q4_1: w = d * q + m, q in 0..15, one scale d and one min m per 32 weights ("int4")
     Q8_0: w = d * q,     q in -127..127, one scale d per 32 weights        ("int8")
+    Q8_F: w = d_h * q (+ m), q int8, a float32 scale d_h per 16 weights (h: the block's half),
+          an optional float32 min m per 32: the K-quants and Q5_1 (kernels/gguf_blocks.py)
 
-GGUF Q4_0 (w = d * (q - 8)) loads as Q4_1 with m = -8 d, which is the same number exactly.
+GGUF Q4_0 (w = d * (q - 8)) loads as Q4_1 with m = -8 d, and Q5_0 (w = d * (q - 16)) as Q8_0
+with codes q - 16: the same numbers exactly (kernels/gguf_blocks.py maps every type).
 ``from_gguf_blocks`` reads the file's block bytes without a round trip through float;
 ``quantize`` makes the same formats from float weights (an HF folder with --quantization).
 ``dequantize`` computes d * q + m in float32, as the gguf package (and so transformers) does, so
@@ -25,19 +29,19 @@ import torch
 from torch import nn
 
 from specserve.kernels import quant_ext
+from specserve.kernels.gguf_blocks import GGUF_TYPES, decode
 from specserve.kernels.linear import RowPlan
 
 BLOCK = 32
-FORMATS = ("q4_1", "q8_0")
-# GGUF tensor type -> (our format, bytes per block of 32 weights)
-_GGUF_TYPES = {"Q4_0": ("q4_1", 18), "Q4_1": ("q4_1", 20), "Q8_0": ("q8_0", 34)}
+FORMATS = ("q4_1", "q8_0")  # what ``quantize`` makes from float weights
 
 
 @dataclass
 class BlockQuantWeight:
     """A [N, K] weight in blocks of 32 along K. Planes (KB = K // 32):
     qs: uint8 [N, KB, 16] for q4_1 (byte j: q[j] low nibble, q[j+16] high nibble), int8
-    [N, KB, 32] for q8_0; d, m: float32 [N, KB] (m is None for q8_0)."""
+    [N, KB, 32] for q8_0 and q8_f; d, m: float32 [N, KB] (m is None for q8_0), except q8_f's
+    d: float32 [N, KB, 2], one scale per half block (m [N, KB] or None)."""
 
     fmt: str
     qs: torch.Tensor
@@ -53,15 +57,20 @@ class BlockQuantWeight:
 
     def codes(self) -> torch.Tensor:
         """The integer codes q as int32 [N, K] in weight order."""
-        if self.fmt == "q8_0":
+        if self.fmt in ("q8_0", "q8_f"):
             return self.qs.to(torch.int32).flatten(1)
         lo, hi = self.qs & 0x0F, self.qs >> 4  # [N, KB, 16] each
         return torch.cat([lo, hi], dim=-1).to(torch.int32).flatten(1)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: d * q (+ m), exactly as the gguf package computes it."""
-        q = self.codes().to(torch.float32).view(*self.d.shape, BLOCK)  # [N, KB, 32]
-        w = self.d[..., None] * q
+        n, kb = self.qs.shape[:2]
+        if self.fmt == "q8_f":  # a scale per half block
+            q = self.codes().to(torch.float32).view(n, kb, 2, BLOCK // 2)
+            w = (self.d[..., None] * q).view(n, kb, BLOCK)
+        else:
+            q = self.codes().to(torch.float32).view(n, kb, BLOCK)
+            w = self.d[..., None] * q
         if self.m is not None:
             w = w + self.m[..., None]
         return w.flatten(1)
@@ -72,12 +81,26 @@ class BlockQuantWeight:
         pick = lambda t: None if t is None else t.index_select(0, index).contiguous()
         return BlockQuantWeight(self.fmt, pick(self.qs), pick(self.d), pick(self.m))
 
+    def as_q8f(self) -> BlockQuantWeight:
+        """The same numbers as Q8_F (the form any two formats fuse in): codes as int8, the
+        scale on both half blocks. Exact: float16 scales and mins are float32 values."""
+        if self.fmt == "q8_f":
+            return self
+        d = self.d[..., None].expand(*self.d.shape, 2).contiguous()
+        return BlockQuantWeight("q8_f", self.codes().to(torch.int8).view(*self.d.shape, BLOCK),
+                                d, self.m)
+
     @staticmethod
     def cat(parts: list[BlockQuantWeight]) -> BlockQuantWeight:
-        """Stacks weights along N (fused q|k|v, gate|up)."""
-        fmts = {p.fmt for p in parts}
-        if len(fmts) != 1:
-            raise ValueError(f"cannot fuse weights of different formats {sorted(fmts)}")
+        """Stacks weights along N (fused q|k|v, gate|up); parts of different formats fuse as
+        Q8_F (a file may keep q/k in Q5_0 and v in Q6_K)."""
+        if len({p.fmt for p in parts}) != 1:
+            parts = [p.as_q8f() for p in parts]
+        if any(p.m is None for p in parts) and any(p.m is not None for p in parts):
+            if parts[0].fmt != "q8_f":
+                parts = [p.as_q8f() for p in parts]
+            parts = [p if p.m is not None else BlockQuantWeight(
+                p.fmt, p.qs, p.d, p.d.new_zeros(p.d.shape[:2])) for p in parts]
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])  # type: ignore[misc]
         return BlockQuantWeight(
             parts[0].fmt, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m
@@ -85,30 +108,24 @@ class BlockQuantWeight:
 
 
 def gguf_format(type_name: str) -> str | None:
-    """Our format for a GGUF tensor type name (Q4_0, Q4_1, Q8_0), None if we keep it float."""
-    entry = _GGUF_TYPES.get(type_name)
+    """Our format for a GGUF tensor type name (kernels/gguf_blocks.py's table), None if we keep
+    it float."""
+    entry = GGUF_TYPES.get(type_name)
     return None if entry is None else entry[0]
 
 
 def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> BlockQuantWeight:
-    """raw: the tensor's bytes as uint8 [N, KB * bytes_per_block], as gguf.GGUFReader maps them;
-    shape: (N, K) in PyTorch order."""
-    if type_name not in _GGUF_TYPES:
-        raise ValueError(f"GGUF type {type_name} has no packed form here (use Q4_0, Q4_1, Q8_0)")
-    fmt, nb = _GGUF_TYPES[type_name]
+    """raw: the tensor's bytes as uint8 [N, blocks * bytes_per_block], as gguf.GGUFReader maps
+    them; shape: (N, K) in PyTorch order."""
+    if type_name not in GGUF_TYPES:
+        raise ValueError(f"GGUF type {type_name} has no packed form here (use one of "
+                         f"{', '.join(GGUF_TYPES)})")
+    _, nb, per = GGUF_TYPES[type_name]
     n, k = shape
-    if k % BLOCK:
-        raise ValueError(f"a {type_name} tensor needs K divisible by {BLOCK} (got {shape})")
-    blocks = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, k // BLOCK, nb))
-    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].to(torch.float32)
-    if type_name == "Q8_0":
-        qs = blocks[..., 2:].contiguous().view(torch.int8)
-        return BlockQuantWeight(fmt, qs, d.contiguous(), None)
-    if type_name == "Q4_1":
-        m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].to(torch.float32)
-        return BlockQuantWeight(fmt, blocks[..., 4:].contiguous(), d.contiguous(), m.contiguous())
-    # Q4_0: w = d (q - 8) = d q + (-8 d); both forms are exact in float32.
-    return BlockQuantWeight(fmt, blocks[..., 2:].contiguous(), d.contiguous(), (-8.0 * d))
+    if k % per or np.asarray(raw).size != n * (k // per) * nb:
+        raise ValueError(f"a {type_name} tensor needs K divisible by {per} and {nb} bytes per "
+                         f"{per} weights (got shape {shape}, {np.asarray(raw).size} bytes)")
+    return BlockQuantWeight(*decode(type_name, raw, n, k))
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> BlockQuantWeight:
@@ -147,7 +164,10 @@ def pack(weight: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """The planes in the C++ kernel's layout: 8 output features interleaved, N padded with zero
     features to a multiple of 8, scales and mins float16 (the file's own width: a 1-row step
     reads every weight byte once, so 4-byte scales cost it 17% more memory traffic). Returns
-    (qs [G, KB, 128 | 256], d [G, KB, 8], m [G, KB, 8] or None)."""
+    (qs [G, KB, 128 | 256], d [G, KB, 8], m [G, KB, 8] or None). Q8_F keeps float32 scales:
+    d [G, KB, 2, 8] (half blocks), m [G, KB, 8] or None."""
+    if weight.fmt == "q8_f":
+        return _pack_q8f(weight)
     for plane in (weight.d, weight.m):
         if plane is not None and not torch.equal(plane.to(torch.float16).to(plane.dtype), plane):
             raise ValueError("block scales and mins must be float16 values (GGUF's own, or "
@@ -174,10 +194,37 @@ def pack(weight: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return qs.to(torch.uint8).contiguous(), lanes(d), lanes(m)
 
 
+def _interleave_q8(codes: torch.Tensor) -> torch.Tensor:
+    """int codes [G * 8, KB, 32] -> Q8_0's kernel layout [G, KB, 256]: vector v, byte
+    4 * feature + t holds code 4 v + t."""
+    n, kb, _ = codes.shape
+    c = codes.view(n // LANES, LANES, kb, 8, 4).permute(0, 2, 3, 1, 4)
+    return c.reshape(n // LANES, kb, 256).to(torch.int8).contiguous()
+
+
+def _pack_q8f(weight: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    n, kb = weight.qs.shape[:2]
+    g = -(-n // LANES)
+    pad = g * LANES - n
+    codes, d, m = weight.qs, weight.d, weight.m
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, kb, BLOCK)])
+        d = torch.cat([d, d.new_zeros(pad, kb, 2)])
+        m = None if m is None else torch.cat([m, m.new_zeros(pad, kb)])
+    dp = d.view(g, LANES, kb, 2).permute(0, 2, 3, 1).to(torch.float32).contiguous()
+    mp = None if m is None else m.view(g, LANES, kb).permute(0, 2, 1).to(torch.float32)
+    return _interleave_q8(codes), dp, None if mp is None else mp.contiguous()
+
+
 def unpack(fmt: str, n: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
            ) -> BlockQuantWeight:
     """``pack``'s inverse: the planes of the first ``n`` features in the file's layout."""
     g, kb, _ = qs.shape
+    if fmt == "q8_f":
+        codes = qs.view(g, kb, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(g * LANES, kb, BLOCK)
+        dd = d.permute(0, 3, 1, 2).reshape(g * LANES, kb, 2)[:n].contiguous()
+        mm = None if m is None else m.permute(0, 2, 1).reshape(g * LANES, kb)[:n].contiguous()
+        return BlockQuantWeight(fmt, codes[:n].contiguous(), dd, mm)
     rows = lambda t: t.permute(0, 2, 1).reshape(g * LANES, kb)[:n].to(torch.float32).contiguous()
     if fmt == "q8_0":
         codes = qs.view(g, kb, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(g * LANES, kb, BLOCK)
@@ -264,7 +311,10 @@ class BlockQuantLinear(nn.Module):
         if ext is not None and x.device.type == "cpu":
             if x.dtype != torch.float32 or not x.is_contiguous():
                 x = x.to(torch.float32).contiguous()
-            y = ext.block_linear(x, *self._planes, kernel)
+            if self.fmt == "q8_f":
+                y = ext.scaled_block_linear(x, *self._planes, kernel)
+            else:
+                y = ext.block_linear(x, *self._planes, kernel)
             return y[:, : self.out_features].contiguous() if self.padded else y
         if self._dense is None or self._dense.device != x.device:
             self._dense = self.weight.dequantize().to(x.device)

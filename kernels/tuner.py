@@ -177,8 +177,10 @@ def model_groups(model: nn.Module) -> dict[str, list[nn.Module]]:
 
 def _candidates(module: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], object]]:
     if isinstance(module, BlockQuantLinear):
+        # Q8_F has one instruction sequence (AVX2; the other forms' codes run it too)
+        isas = ("avx2",) if module.fmt == "q8_f" else quant_ext.supported_isas()
         codes = {f"{isa}/{r}": quant_ext.kernel_code(f"{isa}/{r}")
-                 for isa in quant_ext.supported_isas() for r in quant_ext.ROWS_PER_PASS[isa]}
+                 for isa in isas for r in quant_ext.ROWS_PER_PASS[isa]}
         return {n: (lambda c=c: module.run(x, c)) for n, c in codes.items()}
     assert isinstance(module, DenseLinear)
     w, b = module.weight, module.bias

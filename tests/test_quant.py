@@ -321,7 +321,9 @@ def test_gguf_tensor_shape_errors_name_the_fix():
     with pytest.raises(ValueError, match="divisible by 32"):
         from_gguf_blocks("Q8_0", np.zeros((2, 34), np.uint8), (2, 40))
     with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
-        from_gguf_blocks("Q6_K", np.zeros((2, 34), np.uint8), (2, 32))
+        from_gguf_blocks("Q2_K", np.zeros((2, 84), np.uint8), (2, 256))
+    with pytest.raises(ValueError, match="divisible by 256"):
+        from_gguf_blocks("Q6_K", np.zeros((2, 210), np.uint8), (2, 32))
 
 
 def test_whole_layer_call_equals_the_per_op_path(text_model, monkeypatch):

@@ -443,6 +443,93 @@ SPECSERVE_TARGET_AVX512 void q8_pair_avx512(int64_t g, int64_t i0, int64_t KB, c
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
+// Q8_F ("int8 codes, float scales"), the form every K-quant and the 5-bit types run as: the
+// file's integer codes as int8 in Q8_0's interleaved layout (qs [G, KB, 256]), a float32 scale
+// per half block of 16 (d [G, KB, 2, 8]: Q6_K's sub-block scale d * sc, or one scale twice) and
+// an optional float32 min per block (m [G, KB, 8]: -dmin * m of Q4_K / Q5_K, Q5_1's m). The
+// scales are products of the file's float16 and small integers, exact in float32 and not in
+// float16, hence their own form. Per feature and block: two exact int32 dots (codes 0-15 and
+// 16-31), acc += dot_lo * (d_lo * dx) + dot_hi * (d_hi * dx) (+ m * sum(x)), blocks in order:
+// the same instructions whatever the row count, rows per pass or thread split.
+template <int R>
+void q8f_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const float* d,
+               const float* m, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+               __m256* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* qg = qs + g * KB * 256;
+  const float* dg = d + g * KB * 16;
+  const float* mg = m == nullptr ? nullptr : m + g * KB * 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < KB; ++b) {
+    prefetch_codes<256>(qg, b);
+    prefetch_at(dg, b * 64 + kPrefetchBytes / 4);
+    __m256i w[8], a[8];
+    for (int v = 0; v < 8; ++v) {
+      w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + b * 256 + 32 * v));
+      a[v] = _mm256_sign_epi8(w[v], w[v]);
+    }
+    const __m256 d0 = _mm256_loadu_ps(dg + b * 16);
+    const __m256 d1 = _mm256_loadu_ps(dg + b * 16 + 8);
+    const __m256 mv = mg == nullptr ? _mm256_setzero_ps() : _mm256_loadu_ps(mg + b * 8);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = i0 + r;
+      const int8_t* xb = xq + i * K + b * QK;
+      __m256i s[2];
+      for (int h = 0; h < 2; ++h) {
+        const int v0 = 4 * h;
+        s[h] = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(a[v0], _mm256_sign_epi8(bcast4(xb + 4 * v0), w[v0])), ones);
+        for (int v = v0 + 1; v < v0 + 4; ++v)
+          s[h] = _mm256_add_epi32(s[h], _mm256_madd_epi16(
+                     _mm256_maddubs_epi16(a[v], _mm256_sign_epi8(bcast4(xb + 4 * v), w[v])),
+                     ones));
+      }
+      const __m256 xd = _mm256_set1_ps(dx[i * KB + b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(d0, xd), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[1]), _mm256_mul_ps(d1, xd), acc[r]);
+      if (mg != nullptr) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[i * KB + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+struct ScaledJob {
+  const int8_t* qs;
+  const float* d;
+  const float* m;     // null: no min term
+  const float* bias;  // null when none
+  const int8_t* xq;
+  const float* dx;
+  const float* sx;
+  float* y;
+  int64_t M, K, KB, N;
+  int rows_per_pass;
+};
+
+template <int R>
+void q8f_pass(const ScaledJob& j, int64_t g, int64_t i) {
+  __m256 out[R];
+  q8f_group<R>(g, i, j.KB, j.qs, j.d, j.m, j.xq, j.dx, j.sx, j.K, out);
+  const __m256 bv = j.bias != nullptr ? _mm256_loadu_ps(j.bias + 8 * g) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_ps(j.y + (i + r) * j.N + 8 * g,
+                     j.bias != nullptr ? _mm256_add_ps(out[r], bv) : out[r]);
+}
+
+void run_q8f(const ScaledJob& j, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t i = 0;
+    if (j.rows_per_pass >= 8)
+      for (; i + 8 <= j.M; i += 8) q8f_pass<8>(j, g, i);
+    if (j.rows_per_pass >= 4)
+      for (; i + 4 <= j.M; i += 4) q8f_pass<4>(j, g, i);
+    if (j.rows_per_pass >= 2)
+      for (; i + 2 <= j.M; i += 2) q8f_pass<2>(j, g, i);
+    for (; i < j.M; ++i) q8f_pass<1>(j, g, i);
+  }
+}
+
 // One block_linear call's operands, for the per-instruction-set loops below.
 struct Job {
   const void* qs;
@@ -650,6 +737,46 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   return y;
 }
 
+// Q8_F weights (see q8f_group). kernel as block_linear's; this form has one (AVX2) instruction
+// sequence, so the instruction set is not read and rows per pass above 8 run as 8 (same bits).
+at::Tensor scaled_block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                               const c10::optional<at::Tensor>& m,
+                               const c10::optional<at::Tensor>& bias, int64_t kernel) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1), G = qs.size(0), KB = qs.size(1), N = 8 * G;
+  TORCH_CHECK(K == KB * QK, "x has ", K, " columns, the weight has ", KB, " blocks of 32");
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 256 && qs.is_contiguous() &&
+                  qs.scalar_type() == at::kChar,
+              "packed weight must be int8 [N / 8, K / 32, 256] (kernels/quant.py pack)");
+  TORCH_CHECK(d.sizes() == at::IntArrayRef({G, KB, 2, 8}) && d.is_contiguous() &&
+                  d.scalar_type() == at::kFloat,
+              "scales must be float32 [N / 8, K / 32, 2, 8]");
+  TORCH_CHECK(!m.has_value() || (m->sizes() == at::IntArrayRef({G, KB, 8}) &&
+                                 m->is_contiguous() && m->scalar_type() == at::kFloat),
+              "mins must be float32 [N / 8, K / 32, 8]");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == N, "bias must have N (padded to 8) entries");
+  const int64_t rows_per_pass = std::min<int64_t>(kernel % 32, 8);
+  TORCH_CHECK(rows_per_pass == 1 || rows_per_pass == 2 || rows_per_pass == 4 ||
+                  rows_per_pass == 8,
+              "kernel % 32 (rows per pass) must be 1, 2, 4, 8 or 16, got ", kernel % 32);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const QuantRows& xr = quantize_rows(x);
+  const ScaledJob job{qs.data_ptr<int8_t>(), d.data_ptr<float>(),
+                      m.has_value() ? m->data_ptr<float>() : nullptr,
+                      bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                      xr.xq.data(), xr.dx.data(), xr.sx.data(), y.data_ptr<float>(),
+                      M, K, KB, N, static_cast<int>(rows_per_pass)};
+  // Split over groups of 8 output features only, as block_linear.
+  const int64_t cuts = specserve::pool::team_size() *
+                       (specserve::pool::dynamic() ? specserve::pool::chunks_per_thread() : 4);
+  const int64_t chunk = std::max<int64_t>(2, G / cuts);
+  specserve::pool::parallel_for(0, G, chunk,
+                                [&](int64_t g0, int64_t g1) { run_q8f(job, g0, g1); });
+  return y;
+}
+
 bool block_isa_supported(int64_t isa) { return isa_supported(isa); }
 
 void register_fused(pybind11::module& mod);  // fused.cpp
@@ -661,6 +788,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("block_linear", &block_linear,
           "y = x @ W^T for Q4_1 (m given) or Q8_0 (m None) block weights, int8 activations; "
           "kernel = 32 * isa + rows per pass");
+  mod.def("scaled_block_linear", &scaled_block_linear,
+          "y = x @ W^T for Q8_F block weights (int8 codes, float32 half-block scales, optional "
+          "float32 mins), int8 activations; kernel as block_linear's");
   mod.def("block_isa_supported", &block_isa_supported,
           "True when this CPU runs block_linear's instruction set `isa` (0, 1 or 2)");
 }

@@ -1,0 +1,137 @@
+"""Every GGUF block type with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), from
+random valid blocks built here (random code and scale bytes, finite float16 scale fields):
+dequantization equals gguf's own bit for bit; the kernel's product is within the activation
+rounding of a float64 product of the same blocks; row i of an M-row call equals the 1-row call
+bit for bit for M = 1..17, every kernel form and 1, 2 or 3 threads."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.kernels import quant_ext, thread_policy
+from specserve.kernels.gguf_blocks import GGUF_TYPES
+from specserve.kernels.quant import BlockQuantLinear, BlockQuantWeight, from_gguf_blocks
+from specserve.kernels.thread_policy import ThreadPolicy
+
+ext = quant_ext.load()
+
+TYPES = list(GGUF_TYPES)
+# byte offsets of each type's float16 fields within a block (the rest is codes / 6-bit scales)
+_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2),
+           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """uint8 [N, blocks * bytes]: random bytes, the float16 fields set to random finite values
+    of either sign around 1e-3 (K-quant scales multiply 6-8 bit sub-scales)."""
+    _, nb, per = GGUF_TYPES[type_name]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // per, nb), dtype=np.uint8)
+    for off in _HALVES[type_name]:
+        scale = rng.uniform(0.2e-3, 2e-3, size=(n, k // per)) * rng.choice([-1, 1], (n, k // per))
+        raw[..., off: off + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def _gguf_reference(type_name: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(n, k))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequantize_equals_gguf_bit_for_bit(type_name):
+    n, k = 24, 512
+    raw = random_blocks(type_name, n, k, 1)
+    ours = from_gguf_blocks(type_name, raw, (n, k)).dequantize()
+    ref = _gguf_reference(type_name, raw, n, k)
+    assert ours.dtype == ref.dtype == torch.float32
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_kernel_layout_round_trips(type_name):
+    """The kernel's packed planes give the file's numbers back (N not a multiple of 8)."""
+    n, k = 21, 256
+    weight = from_gguf_blocks(type_name, random_blocks(type_name, n, k, 2), (n, k))
+    back = BlockQuantLinear(weight).weight
+    assert back.fmt == weight.fmt and torch.equal(back.dequantize(), weight.dequantize())
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_kernel_within_activation_rounding_of_float64(type_name, rows):
+    """The kernel rounds activations to int8 per block of 32 (scale amax/127, as llama.cpp's
+    Q8_0 activations); the weights are used exactly. So per output
+    |y - x @ W^T| <= sum over blocks b of (amax_b / 254) * sum |w| over the block
+    (half a code step of x times the weights it meets), plus float32 rounding of the
+    accumulation, bounded by 1e-5 * (|x| @ |W|^T + 1) (at most ~60 float32 adds and products per
+    output here, each within 2^-24 relative). Checked for every output."""
+    n, k = 40, 768
+    w = from_gguf_blocks(type_name, random_blocks(type_name, n, k, 3), (n, k))
+    dense = w.dequantize().double()
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    y = BlockQuantLinear(w, bias)(x).double()
+    ref = x.double() @ dense.T + bias.double()
+    step = x.abs().view(rows, -1, 32).amax(-1).double() / 254.0  # [M, KB]
+    bound = torch.einsum("mb,nbk->mn", step, dense.abs().view(n, -1, 32))
+    bound += 1e-5 * (x.double().abs() @ dense.abs().T + 1.0)
+    err = (y - ref).abs()
+    assert (err <= bound).all(), float((err - bound).max())
+    assert err.max() > 0  # the rounding is real: the bound is not vacuous
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before_policy, before = thread_policy.current(), torch.get_num_threads()
+    thread_policy.apply(ThreadPolicy())  # the team follows torch's count
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        thread_policy.apply(before_policy)
+
+
+def _forms() -> list[int]:
+    return [quant_ext.kernel_code(f"{isa}/{r}") for isa in quant_ext.supported_isas()
+            for r in quant_ext.ROWS_PER_PASS[isa]]
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_rows_equal_the_one_row_call_bit_for_bit(type_name):
+    n, k = 200, 512  # 25 groups of 8 features: an odd count, split unevenly over threads
+    w = from_gguf_blocks(type_name, random_blocks(type_name, n, k, 4), (n, k))
+    lin = BlockQuantLinear(w, torch.randn(n))
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(5))
+    with _threads(1):
+        single = torch.cat([lin.run(x[i: i + 1], quant_ext.kernel_code("avx2/1"))
+                            for i in range(17)])
+    for threads in (1, 2, 3):
+        with _threads(threads):
+            for code in _forms():
+                for rows in range(1, 18):
+                    got = lin.run(x[:rows], code)
+                    assert torch.equal(got, single[:rows]), (threads, code, rows)
+
+
+def test_mixed_formats_fuse_exactly():
+    """q (Q5_0 -> q8_0), k (Q4_K -> q8_f, with mins) and v (Q8_0) of one layer fuse as Q8_F
+    with the same numbers, and the fused kernel equals the parts' kernels bit for bit."""
+    k = 256
+    parts = [from_gguf_blocks(t, random_blocks(t, n, k, 6 + i), (n, k))
+             for i, (t, n) in enumerate([("Q5_0", 16), ("Q4_K", 8), ("Q8_0", 8)])]
+    fused = BlockQuantWeight.cat(parts)
+    assert fused.fmt == "q8_f"
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(9))
+    y = BlockQuantLinear(fused)(x)
+    y_q = BlockQuantLinear(parts[0].as_q8f())(x)
+    assert torch.equal(y[:, :16], y_q)
