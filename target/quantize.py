@@ -6,8 +6,10 @@
   - ``int4`` / ``int8``: projections and the lm_head in Q4_1 / Q8_0 blocks. From a GGUF file,
     tensors already in a 4-bit (Q4_0, Q4_1) or 8-bit (Q8_0) block type are taken as the file
     holds them; others are quantized from their float values;
-  - ``auto``: a GGUF file keeps its own formats (each Q4_0/Q4_1/Q8_0 tensor as stored, other
-    types dense); an HF folder stays dense. On CUDA: ``none`` (the kernels are CPU kernels).
+  - ``auto``: a GGUF file keeps its own formats (each tensor of a type with a kernel, Q4_0..Q8_0
+    and Q4_K/Q5_K/Q6_K, as stored: kernels/gguf_blocks.py; other types dense, and then
+    speculation is off by default: ``dense_projection_tensors``); an HF folder stays dense.
+    On CUDA: ``none`` (the kernels are CPU kernels).
 
 A quantized model also runs its norms, rotary, SiLU*mul and residual adds through the fused
 float32 ops of kernels/csrc/fused.cpp (``CausalLM.enable_fused_ops``).
@@ -133,9 +135,10 @@ def projection_modules(model: CausalLM) -> dict[str, nn.Linear]:
 
 
 def gguf_block_weights(path: str | Path, model: CausalLM) -> dict[str, BlockQuantWeight]:
-    """The GGUF's Q4_0/Q4_1/Q8_0 projection tensors as block weights under our module names,
-    q/k rows un-permuted as transformers does (llama.cpp stores them permuted for its rotary),
-    parts fused in our order. A module some of whose parts are of another type is left out."""
+    """The GGUF's projection tensors of types with a kernel as block weights under our module
+    names, q/k rows un-permuted as transformers does (llama.cpp stores them permuted for its
+    rotary), parts fused in our order (parts of different formats as Q8_F). A module some of
+    whose parts are of a type without a kernel is left out."""
     import gguf
 
     cfg = model.config
