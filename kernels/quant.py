@@ -311,10 +311,7 @@ class BlockQuantLinear(nn.Module):
         if ext is not None and x.device.type == "cpu":
             if x.dtype != torch.float32 or not x.is_contiguous():
                 x = x.to(torch.float32).contiguous()
-            if self.fmt == "q8_f":
-                y = ext.scaled_block_linear(x, *self._planes, kernel)
-            else:
-                y = ext.block_linear(x, *self._planes, kernel)
+            y = ext.block_linear(x, *self._planes, kernel)  # any format (Q8_F included)
             return y[:, : self.out_features].contiguous() if self.padded else y
         if self._dense is None or self._dense.device != x.device:
             self._dense = self.weight.dequantize().to(x.device)

@@ -16,27 +16,11 @@ from specserve.kernels import quant_ext, thread_policy
 from specserve.kernels.gguf_blocks import GGUF_TYPES
 from specserve.kernels.quant import BlockQuantLinear, BlockQuantWeight, from_gguf_blocks
 from specserve.kernels.thread_policy import ThreadPolicy
+from tests.helpers.gguf_blocks import random_blocks
 
 ext = quant_ext.load()
 
 TYPES = list(GGUF_TYPES)
-# byte offsets of each type's float16 fields within a block (the rest is codes / 6-bit scales)
-_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2),
-           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
-def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
-    """uint8 [N, blocks * bytes]: random bytes, the float16 fields set to random finite values
-    of either sign around 1e-3 (K-quant scales multiply 6-8 bit sub-scales)."""
-    _, nb, per = GGUF_TYPES[type_name]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // per, nb), dtype=np.uint8)
-    for off in _HALVES[type_name]:
-        scale = rng.uniform(0.2e-3, 2e-3, size=(n, k // per)) * rng.choice([-1, 1], (n, k // per))
-        raw[..., off: off + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
-    return raw.reshape(n, -1)
-
-
 def _gguf_reference(type_name: str, raw: np.ndarray, n: int, k: int) -> torch.Tensor:
     import gguf
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from specserve.core.config import EngineConfig
+from tests.helpers.gguf_blocks import random_blocks
 from tests.helpers.tiny_models import GGUF_VOCAB_SIZE, HF_INIT, build_tiny_model, tiny_config
 
 CFG = dict(vocab_size=GGUF_VOCAB_SIZE, hidden_size=64, intermediate_size=96,
@@ -22,7 +23,8 @@ CFG = dict(vocab_size=GGUF_VOCAB_SIZE, hidden_size=64, intermediate_size=96,
 @contextlib.contextmanager
 def _typed_tensors(types: dict[str, str]):
     """While open, GGUFWriter.add_tensor stores the float tensors whose name contains a key of
-    ``types`` in that GGUF type (gguf's own quantizer), the rest as given (F32)."""
+    ``types`` in that GGUF type (gguf's own quantizer; random valid blocks for the K-quants),
+    the rest as given (F32)."""
     import gguf
 
     original = gguf.GGUFWriter.add_tensor
@@ -31,6 +33,10 @@ def _typed_tensors(types: dict[str, str]):
         for part, type_name in types.items():
             if part in name and tensor.ndim == 2:
                 qtype = gguf.GGMLQuantizationType[type_name]
+                if type_name.endswith("_K"):  # gguf-py has no K-quantizer: random blocks
+                    raw = random_blocks(type_name, tensor.shape[0], tensor.shape[1],
+                                        len(name))
+                    return original(self, name, raw, raw_shape=raw.shape, raw_dtype=qtype)
                 if qtype == gguf.GGMLQuantizationType.F16:
                     return original(self, name, tensor.astype(np.float16))
                 raw = gguf.quants.quantize(tensor.astype(np.float32), qtype)
@@ -110,3 +116,31 @@ def test_server_says_why_and_warns_requests_that_speculate(tmp_path):
         assert spec["timings"]["warning"] == card["speculation_caveat"]
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_k_quant_file_speculates_by_default_and_greedy_equals_plain(tmp_path):
+    """A Q4_K_M-like mix (q/k Q5_0, v Q6_K, gate/up Q4_K, down Q6_K, lm_head Q8_0): every
+    projection runs a block kernel, so the registry's default stands, and greedy speculation
+    gives plain decoding's tokens."""
+    from specserve.core.sampling_params import SamplingParams, SpeculativeParams
+    from specserve.engine.llm_engine import LLMEngine
+    from specserve.kernels.quant import BlockQuantLinear
+
+    types = {"attn_v": "Q6_K", "attn_": "Q5_0", "ffn_down": "Q6_K", "ffn_": "Q4_K",
+             "output.": "Q8_0"}
+    cfg = {**CFG, "hidden_size": 256, "intermediate_size": 512}
+    with _typed_tensors(types):
+        build_tiny_model(tmp_path / "k.gguf", tiny_config("llama", **cfg), init=HF_INIT,
+                         fmt="gguf")
+    engine = LLMEngine(_engine_config(str(tmp_path / "k.gguf")))
+    assert engine.config.speculation_caveat is None
+    assert engine.config.default_speculative_method != "off"
+    formats = {m.fmt for m in engine.runner.model.modules() if isinstance(m, BlockQuantLinear)}
+    assert formats == {"q8_f", "q8_0"}  # fused q|k|v and gate|up as Q8_F, o_proj Q5_0 as Q8_0
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43], [100, 3, 100, 3, 100]]
+    plain = engine.generate(prompts, params, SpeculativeParams(method="off"))
+    spec = engine.generate(prompts, params, SpeculativeParams(method="ngram", num_tokens=4))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.timings.num_drafted for o in spec) > 0  # speculation really ran

@@ -673,10 +673,18 @@ bool isa_supported(int64_t isa) {
 
 }  // namespace
 
-// kernel = 32 * isa + rows_per_pass (see the header).
+at::Tensor scaled_block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                               const c10::optional<at::Tensor>& m,
+                               const c10::optional<at::Tensor>& bias, int64_t kernel);
+
+// kernel = 32 * isa + rows_per_pass (see the header). Q8_F planes (float32 scales
+// [G, KB, 2, 8]) go to scaled_block_linear, so every caller (the whole-layer path of fused.cpp
+// too) runs any format through this one entry.
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                         const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& bias,
                         int64_t kernel) {
+  if (d.scalar_type() == at::kFloat && d.dim() == 4)
+    return scaled_block_linear(x, qs, d, m, bias, kernel);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   const bool q4 = m.has_value();
@@ -786,8 +794,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   register_fused(mod);
   register_pool(mod);
   mod.def("block_linear", &block_linear,
-          "y = x @ W^T for Q4_1 (m given) or Q8_0 (m None) block weights, int8 activations; "
-          "kernel = 32 * isa + rows per pass");
+          "y = x @ W^T for Q4_1 (m given), Q8_0 (m None) or Q8_F (float32 scales) block "
+          "weights, int8 activations; kernel = 32 * isa + rows per pass");
   mod.def("scaled_block_linear", &scaled_block_linear,
           "y = x @ W^T for Q8_F block weights (int8 codes, float32 half-block scales, optional "
           "float32 mins), int8 activations; kernel as block_linear's");
