@@ -45,7 +45,7 @@ def load_projections(path: str) -> list[BlockQuantLinear]:
     quantize_model(model, resolve_quantization("auto", path, torch.device("cpu")), path)
     mods = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
     if not mods:
-        raise BenchError(f"{path} has no block-quantized projections (a GGUF of Q4_0/Q4_1/Q8_0)")
+        raise BenchError(f"{path} has no block-quantized projections (see kernels/gguf_blocks.py)")
     return mods
 
 

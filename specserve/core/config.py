@@ -81,7 +81,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "on GPU)")] = "auto"
     quantization: Annotated[Quantization, _help(
         "weight-only block quantization of the target's projections (auto: a GGUF's own "
-        "Q4_0/Q4_1/Q8_0 blocks on CPU, else none)")] = "auto"
+        "Q4_0..Q8_0 and Q4_K/Q5_K/Q6_K blocks on CPU, else none)")] = "auto"
     kernel_tuning: Annotated[bool, _help(
         "time the kernel candidates of each projection shape, and the thread setups unless "
         "--num-threads or SPECSERVE_THREAD_POLICY fix them, at start-up (cached per machine "
