@@ -94,6 +94,7 @@ def dense_projection_tensors(mode: str, model_path: str | Path, config: ModelCon
         for name, type_name in names.items():
             pieces = name.split(".")
             projection = (len(pieces) == 4 and pieces[0] == "blk" and pieces[2] in _GGUF_PARTS
+                          and pieces[3] == "weight"  # biases are added in float32 exactly
                           or name == "output.weight"
                           or name == "token_embd.weight" and "output.weight" not in names
                           and config.tie_word_embeddings)

@@ -144,3 +144,29 @@ def test_k_quant_file_speculates_by_default_and_greedy_equals_plain(tmp_path):
     spec = engine.generate(prompts, params, SpeculativeParams(method="ngram", num_tokens=4))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert sum(o.timings.num_drafted for o in spec) > 0  # speculation really ran
+
+
+def test_biases_and_norms_are_not_projections(tmp_path):
+    """Qwen2's q/k/v biases and the norms are F32 tensors in every GGUF: they are added or
+    multiplied in float32 row by row (no reduction over rows), so they never count."""
+    import types
+
+    import gguf
+
+    from specserve.target.quantize import dense_projection_tensors
+
+    path = tmp_path / "b.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    q8 = gguf.quants.quantize(np.ones((8, 32), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", q8, raw_shape=q8.shape,
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_q.bias", np.ones(8, np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(32, np.float32))
+    w.add_tensor("blk.0.ffn_down.weight", np.ones((8, 32), np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    config = types.SimpleNamespace(tie_word_embeddings=False)
+    dense = dense_projection_tensors("gguf", path, config)  # type: ignore[arg-type]
+    assert dense == {"blk.0.ffn_down.weight": "F16 has no block kernel"}
