@@ -16,8 +16,12 @@ import numpy as np
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
@@ -31,6 +35,8 @@ BASE = dict(
 )
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+    "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config,
+    "granite": GraniteConfig,
 }
 # Control tokens of the GGUF variant's byte-level BPE tokenizer (then the 256 byte symbols and
 # one merge): a GGUF model's vocabulary is exactly these 260 tokens.
