@@ -156,6 +156,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         if self.activation == "gelu_tanh":
+            if self.fused is not None and gate_up.dtype == torch.float32:
+                return self.down_proj(self.fused.gelu_tanh_mul(gate_up))
             gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if self.fused is not None and gate_up.dtype == torch.float32:

@@ -246,7 +246,11 @@ class CausalLM(nn.Module):
         if cfg.logits_divisor is not None:
             logits = logits / cfg.logits_divisor
         if cfg.final_softcap is not None:
-            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+            if self.fused_ops is not None and logits.dtype == torch.float32 and logits.dim() == 2:
+                logits = logits.contiguous()
+                self.fused_ops.softcap_(logits, cfg.final_softcap)  # rows batch-invariant
+            else:
+                logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits.float()
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
