@@ -55,6 +55,12 @@ class RotaryEmbedding:
                 base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
             )
             scaling = 1.0
+            factors = getattr(hf_config, "rope_freq_factors", None)
+            if factors is not None:  # a GGUF's rope_freqs (Llama 3), as llama.cpp applies them
+                inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+        elif getattr(hf_config, "rope_freq_factors", None) is not None:
+            raise UnsupportedArchitectureError(
+                f"rope_freq_factors with rope_type {rope_type!r} is not supported")
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
