@@ -11,10 +11,31 @@ import pytest
 import torch
 
 from specserve.kernels.attention_form import supported_forms
-from tests.test_cpu_attention import _assert_each_row_equals_its_decode, _attention_case
+from specserve.kernels.metadata import AttentionMetadata
 
 FORMS = supported_forms(16)
 CAP = 1.5  # small enough that most scores of the random case are squashed
+
+
+def _attention_case(seed: int, query_lens: list[int], ctx_lens: list[int], window: int | None):
+    """Random queries, new keys/values and a random paged cache (block size 4, shuffled block
+    ids) for sequences with these new-token and context lengths."""
+    g = torch.Generator().manual_seed(seed)
+    bs, H, KVH, D = 4, 4, 2, 16
+    blocks_per = [-(-c // bs) for c in ctx_lens]
+    perm = torch.randperm(sum(blocks_per) + 3, generator=g).tolist()
+    tables, i = [], 0
+    for n in blocks_per:
+        tables.append(perm[i: i + n])
+        i += n
+    meta = AttentionMetadata.build(query_lens, ctx_lens, tables, bs)
+    kc = torch.randn(len(perm), bs, KVH, D, generator=g)
+    vc = torch.randn(len(perm), bs, KVH, D, generator=g)
+    T = sum(query_lens)
+    q = torch.randn(T, H, D, generator=g)
+    k = torch.randn(T, KVH, D, generator=g)
+    v = torch.randn(T, KVH, D, generator=g)
+    return q, k, v, kc, vc, meta, window
 
 
 def _dense_capped(q, kc, vc, meta, scale, window, cap):
@@ -38,16 +59,6 @@ def _dense_capped(q, kc, vc, meta, scale, window, cap):
             out[t] = torch.einsum("hl,lhd->hd", w, vals[lo:p + 1])
             t += 1
     return out
-
-
-class _Capped:
-    """A backend with the soft-cap bound, so the shared decode-row check can call it."""
-
-    def __init__(self, backend, cap):
-        self.backend, self.cap = backend, cap
-
-    def forward(self, *args):
-        return self.backend.forward(*args, softcap=self.cap)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -79,11 +90,19 @@ def test_capped_attention_matches_float64(window, form):
 def test_capped_verify_rows_equal_decode_rows(window, form):
     from specserve.kernels.cpu_paged import CpuPagedAttention
 
-    backend = _Capped(CpuPagedAttention(form=form), CAP)
-    case = _attention_case(9, [5, 1, 3], [12, 7, 10], window)
-    q, k, v, kc, vc, meta, _ = case
-    verify = backend.forward(q, k, v, kc, vc, meta, 0.3, window)
-    _assert_each_row_equals_its_decode(backend, case, verify, 0.3)
+    backend = CpuPagedAttention(form=form)
+    q, k, v, kc, vc, meta, _ = _attention_case(9, [5, 1, 3], [12, 7, 10], window)
+    verify = backend.forward(q, k, v, kc, vc, meta, 0.3, window, softcap=CAP)  # writes new K/V
+    tables = [meta.block_tables[b].tolist() for b in range(len(meta.query_lens_cpu))]
+    start = 0
+    for b, (n, ctx) in enumerate(zip(meta.query_lens_cpu, meta.context_lens_cpu)):
+        for j in range(n):  # each row alone, as a one-token decode at its position
+            t = start + j
+            one = AttentionMetadata.build([1], [ctx - n + j + 1], [tables[b]], meta.block_size)
+            row = backend.forward(q[t: t + 1], k[t: t + 1], v[t: t + 1], kc, vc, one, 0.3,
+                                  window, softcap=CAP)
+            assert torch.equal(row[0], verify[t]), (b, j)
+        start += n
 
 
 def _ops():
