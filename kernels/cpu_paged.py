@@ -78,6 +78,7 @@ class CpuPagedAttention:
     except in the bfloat16-product form, which also rounds queries and weights to bfloat16)."""
 
     name = "cpu_paged"
+    supports_softcap = True  # Gemma 2's attention logit soft-capping, per score in the kernel
 
     def __init__(self, max_kernel_query: int | None = None, form: int = 8) -> None:
         self._ext = quant_ext.load()
@@ -111,23 +112,30 @@ class CpuPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         if q.dtype != torch.float32 or k_cache.dtype not in _CACHE_DTYPES:
-            return self._long.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+            return self._long.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window,
+                                      softcap)
         plan: _Plan = meta.plan(self.name, lambda: _build_plan(meta, self.max_kernel_query))
         if k.stride(-1) == 1 and k.stride(-2) == k.shape[-1] and v.stride(-2) == v.shape[-1]:
             self._ext.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # one call, no copies
         else:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding)
         window = sliding_window or 0
+        if softcap is None:
+            attend = self._ext.paged_attention
+        else:
+            def attend(*args):  # noqa: E306
+                return self._ext.paged_attention_capped(*args, softcap)
         if plan.rows is None:
-            return self._ext.paged_attention(
+            return attend(
                 q.contiguous(), k_cache, v_cache, meta.block_tables, plan.seq_of, plan.pos_of,
                 scale, window, self.form,
             )
         out = torch.empty_like(q)
         if plan.rows.numel():
-            out[plan.rows] = self._ext.paged_attention(
+            out[plan.rows] = attend(
                 q[plan.rows].contiguous(), k_cache, v_cache, meta.block_tables, plan.seq_of,
                 plan.pos_of, scale, window, self.form,
             )
@@ -135,7 +143,7 @@ class CpuPagedAttention:
         # K/V are written already; the torch path rewrites the same slots with the same values.
         out[plan.long_rows] = self._long.forward(
             q[plan.long_rows], k[plan.long_rows], v[plan.long_rows], k_cache, v_cache,
-            plan.long_meta, scale, sliding_window,
+            plan.long_meta, scale, sliding_window, softcap,
         )
         return out
 

@@ -136,10 +136,32 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return g.transpose(-3, -2)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          causal: bool, scale: float, softcap: float | None) -> torch.Tensor:
+    """SDPA over [..., H, n, D] queries and [..., KVH, L, D] keys/values (``mask`` [..., n, L]
+    boolean; None: ``causal`` (n == L) or every key visible). With ``softcap`` the scores become
+    cap * tanh(s / cap) before the mask, as Gemma 2 computes them (eager; SDPA has no cap)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., H, n, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        n, length = scores.shape[-2:]
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
 class TorchPagedAttention:
     """Reference backend. Stateless; one instance serves every layer."""
 
     name = "torch"
+    supports_softcap = True
 
     def forward(
         self,
@@ -151,6 +173,7 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         plan = meta.plan((self.name, sliding_window), lambda: _build_plan(meta, sliding_window))
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_padding_slots)
@@ -158,10 +181,8 @@ class TorchPagedAttention:
         for seq in plan.long:
             keys = _gather(k_cache, seq.blocks)[:, : seq.ctx].to(q.dtype)  # [KVH, ctx, D]
             values = _gather(v_cache, seq.blocks)[:, : seq.ctx].to(q.dtype)
-            o = F.scaled_dot_product_attention(
-                q[seq.tokens].transpose(0, 1), keys, values, attn_mask=seq.mask,
-                is_causal=seq.mask is None, scale=scale, enable_gqa=True,
-            )  # [H, n, D]
+            o = _sdpa(q[seq.tokens].transpose(0, 1), keys, values, seq.mask, seq.mask is None,
+                      scale, softcap)  # [H, n, D]
             out[seq.tokens] = o.transpose(0, 1)
         bp = plan.batched
         if bp is not None:
@@ -173,10 +194,8 @@ class TorchPagedAttention:
             else:
                 q_pad = q.new_zeros(bp.num_rows, bp.max_q, *q.shape[1:])  # [R, Q, H, D]
                 q_pad[bp.row_of, bp.off] = q[bp.tok]
-            o = F.scaled_dot_product_attention(
-                q_pad.transpose(1, 2), keys, values, attn_mask=bp.mask, scale=scale,
-                enable_gqa=True,
-            )  # [R, H, Q, D]
+            o = _sdpa(q_pad.transpose(1, 2), keys, values, bp.mask, False, scale,
+                      softcap)  # [R, H, Q, D]
             if decode_only:
                 return o[:, :, 0]  # [T, H, D], no scatter needed
             out[bp.tok] = o.transpose(1, 2)[bp.row_of, bp.off]

@@ -1,9 +1,9 @@
 """Weight loading: a local Hugging Face folder (config.json + safetensors) or a GGUF file.
 
-GGUF files are read through transformers' own GGUF support (it dequantizes every tensor and
-undoes llama.cpp's q/k row permutation), which takes ~15-25 s for the default 135M model, most
-of it parsing the tokenizer arrays in the metadata. So the first load of a GGUF writes what it
-produced into a cache folder, an ordinary HF folder that later loads take in about a second:
+A GGUF file's metadata decides its architecture and config as llama.cpp's loader reads it
+(``target/gguf_arch.py``); its tensors are dequantized to float32 under Hugging Face names
+(q/k rows un-permuted). The first load of a GGUF writes what it produced into a cache folder,
+an ordinary HF folder that later loads take in about a second:
 
     $SPECSERVE_CACHE_DIR (default ~/.cache/specserve)/gguf-<sha256(abs path, size, mtime,
         transformers and gguf versions)>/
@@ -17,7 +17,6 @@ place, so a crash or a concurrent loader never leaves a half-written cache behin
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -27,7 +26,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,14 +34,14 @@ from typing import Any
 import torch
 
 from specserve.core.config import DTYPES
-from specserve.core.errors import ModelLoadError, UnsupportedArchitectureError
+from specserve.core.errors import ModelLoadError
 from specserve.core.paths import cache_root
 from specserve.target.config import ModelConfig, check_architecture
 from specserve.target.model import CausalLM
 
 log = logging.getLogger(__name__)
 
-_CACHE_FORMAT = "1"
+_CACHE_FORMAT = "2"  # 2: configs from the GGUF metadata (target/gguf_arch.py)
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
@@ -162,20 +161,15 @@ def _load_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
         log.info("loaded %s from cache %s in %.1fs", path, weights_dir, time.perf_counter() - t0)
         return hf_config, state_dict
 
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    import gguf
+
+    from specserve.target.gguf_arch import gguf_state_dict, hf_config_from_gguf
 
     t0 = time.perf_counter()
-    try:
-        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except ValueError as exc:  # "GGUF model with architecture X is not supported yet"
-        raise UnsupportedArchitectureError(f"cannot load GGUF {path}: {exc}") from exc
+    reader = gguf.GGUFReader(str(path))
+    hf_config = hf_config_from_gguf(reader)  # general.architecture and its keys decide
     ModelConfig.from_hf(hf_config)  # refuse unsupported models before dequantizing anything
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(hf_config)  # only its parameter names
-    with _memoized_gguf_name_map():
-        parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf_model)
-    state_dict: dict[str, torch.Tensor] = parsed["tensors"]
+    state_dict = gguf_state_dict(reader, hf_config)
     log.info("dequantized %s in %.1fs", path, time.perf_counter() - t0)
 
     def fill(tmp: Path) -> None:
@@ -185,20 +179,6 @@ def _load_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
     if write_dir_atomically(weights_dir, fill):
         (weights_dir.parent / "source.txt").write_text(f"{path.resolve()}\n")
     return hf_config, state_dict
-
-
-@contextlib.contextmanager
-def _memoized_gguf_name_map() -> Iterator[None]:
-    """transformers rebuilds gguf's tensor-name table once per submodule (~400 times, ~10 s for
-    a 30-layer model); the table depends only on (arch, num_layers), so memoize it meanwhile."""
-    import gguf
-
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(original)
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = original
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""CausalLM: one decoder-only model for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM).
+"""CausalLM: one decoder-only model for every family of ``target/arch.py`` (Llama, Mistral,
+Qwen2/3, SmolLM, Phi-3, Granite, Gemma 2/3); its layers are in ``target/layers.py``.
 
 The model reads a flattened batch: T tokens from B sequences laid back to back (prefill chunks,
 decode tokens and speculative verify runs alike); ``AttentionMetadata`` says which tokens belong
@@ -16,18 +17,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.core.errors import ModelLoadError
 from specserve.kernels.linear import DenseLinear
 from specserve.kernels.metadata import AttentionMetadata
-from specserve.kernels.norm import rms_norm
 from specserve.kernels.registry import AttentionBackend
-from specserve.kernels.rotary import RotaryEmbedding, apply_rotary
+from specserve.kernels.rotary import RotaryEmbedding
 from specserve.target.config import ModelConfig
+from specserve.target.layers import MLP, Attention, DecoderLayer, FusedOps, KVCache, RMSNorm
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, KVH, D]
+__all__ = ["MLP", "Attention", "CausalLM", "DecoderLayer", "FeatureCapture", "KVCache",
+           "RMSNorm", "set_fused_ops"]
+
 
 
 @dataclass
@@ -39,176 +41,6 @@ class FeatureCapture:
     layers: tuple[int, ...]
     rows: torch.Tensor  # [R] int64 rows of the flattened batch
     out: torch.Tensor | None = None
-# The fused float32 CPU ops of kernels/csrc/fused.cpp (specserve.kernels.quant_ext.load()), or None.
-FusedOps = Any
-
-
-class RMSNorm(nn.Module):
-    fused: FusedOps | None = None
-
-    def __init__(self, size: int, eps: float, **factory: object) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, **factory))  # type: ignore[arg-type]
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
-        if self.fused is not None and x.dim() == 2 and x.dtype == torch.float32:
-            # torch's row reduction may change order with the row count; this one never does
-            return self.fused.rms_norm(x.contiguous(), self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
-
-
-class Attention(nn.Module):
-    """Self-attention of one layer: fused qkv projection, optional per-head q/k RMSNorm (Qwen3,
-    applied before rotary), rotary, paged attention, output projection."""
-
-    fused: FusedOps | None = None
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int, **factory: object) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.scale = cfg.head_dim**-0.5
-        self.sliding_window = cfg.layer_sliding_windows[layer_idx]
-        self.qkv_proj = DenseLinear(
-            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias, **factory
-        )
-        self.o_proj = DenseLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, **factory)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory) if cfg.qk_norm else None
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        x: torch.Tensor,  # [T, hidden]
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, D]
-    ) -> torch.Tensor:  # [T, hidden]
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
-        if self.fused is not None and self.q_norm is None and qkv.dtype == torch.float32:
-            # rope[0], rope[1]: contiguous [T, D] float32 (CausalLM.forward)
-            self.fused.rotary_qkv_(qkv, *rope, self.num_heads, self.num_kv_heads, self.head_dim)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            o = backend.forward(
-                q.view(T, self.num_heads, self.head_dim),
-                k.view(T, self.num_kv_heads, self.head_dim),
-                v.view(T, self.num_kv_heads, self.head_dim),
-                kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
-            )  # [T, H, D]
-            return self.o_proj(o.reshape(T, self.q_size))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope[0][:, None], rope[1][:, None])
-        o = backend.forward(
-            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window
-        )  # [T, H, D]
-        return self.o_proj(o.reshape(T, self.q_size))
-
-
-class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
-
-    fused: FusedOps | None = None
-
-    def __init__(self, cfg: ModelConfig, **factory: object) -> None:
-        super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = DenseLinear(
-            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, **factory
-        )
-        self.down_proj = DenseLinear(
-            cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, **factory
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if self.fused is not None and gate_up.dtype == torch.float32:
-            return self.down_proj(self.fused.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    fused: FusedOps | None = None
-    _layer_args: tuple | None = None  # cached by _whole_layer_args
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int, **factory: object) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
-        self.self_attn = Attention(cfg, layer_idx, **factory)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
-        self.mlp = MLP(cfg, **factory)
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        h: torch.Tensor,  # [T, hidden]
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        rope: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:  # [T, hidden]
-        if self.fused is not None and h.dtype == torch.float32:
-            whole = self._whole_layer_args(backend, meta)
-            if whole is not None:  # the same kernels in one C++ call (kernels/csrc/fused.cpp)
-                attn = self.self_attn
-                rows = h.shape[0]
-                rpp = [p.kernel(rows) for p in whole[1]]
-                self.fused.decoder_layer_(
-                    h, *whole[0], rpp, rope[0], rope[1], attn.num_heads, attn.num_kv_heads,
-                    attn.head_dim, kv_cache[0], kv_cache[1], meta.block_tables, whole[2].seq_of,
-                    whole[2].pos_of, meta.slot_mapping, attn.scale, attn.sliding_window or 0,
-                    backend.form,
-                )
-                return h
-            # The same sums, fused: h += attn(norm1(h)) in place, norm2 from the new h.
-            ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-            a = self.self_attn(
-                positions, self.fused.rms_norm(h, ln1.weight, ln1.eps), kv_cache, meta,
-                backend, rope,
-            )
-            x = self.fused.add_rms_norm_(a, h, ln2.weight, ln2.eps)
-            return h.add_(self.mlp(x))
-        # Same order of additions as transformers, so float32 results match bit for bit.
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta, backend, rope)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def _whole_layer_args(self, backend: AttentionBackend, meta: AttentionMetadata
-                          ) -> tuple[tuple, list, Any] | None:
-        """(tensor args, projections, attention plan) for ``decoder_layer_`` when this layer
-        can run as one C++ call: every projection block-quantized with N a multiple of 8 (the
-        kernel's output needs no cut), no q/k norm, and the C++
-        attention taking every row of the step. None otherwise."""
-        kernel_plan = getattr(backend, "kernel_plan", None)
-        plan = None if kernel_plan is None else kernel_plan(meta)
-        if plan is None:
-            return None
-        if self._layer_args is None:
-            from specserve.kernels.quant import BlockQuantLinear
-
-            a, m = self.self_attn, self.mlp
-            ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-            projections = [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
-            runs_whole = (
-                a.q_norm is None and ln1.eps == ln2.eps
-                and all(isinstance(p, BlockQuantLinear) and p.has_kernel and not p.padded
-                        for p in projections)
-            )
-            planes = [t for p in projections for t in p.planes] if runs_whole else []
-            self._layer_args = (
-                ((ln1.weight, ln2.weight, ln1.eps, *planes), projections) if runs_whole else ()
-            )
-        if not self._layer_args:
-            return None
-        return (*self._layer_args, plan)
 
 
 class CausalLM(nn.Module):
@@ -243,7 +75,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, **factory) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset,
+                            **factory)
         # A reduced head (distilled drafts) scores only ``head_token_ids``: row i of its logits
         # is token head_token_ids[i]; callers map rows back to token ids.
         self.head_token_ids: torch.Tensor | None
@@ -255,7 +88,17 @@ class CausalLM(nn.Module):
             else DenseLinear(config.hidden_size, head_rows, bias=False, **factory)
         )
         rotary_device = "cpu" if device is None or torch.device(device).type == "meta" else device
-        self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, rotary_device)
+        # One rotary table per rope setting (Gemma 3: local and global layers have their own);
+        # layer i uses rotaries[layer_rope[i]].
+        self.layer_rope: tuple[str | None, ...] = (
+            config.layer_rope_keys or (None,) * config.num_layers
+        )
+        self.rotaries = {
+            key: RotaryEmbedding(config.hf_config, config.head_dim, rotary_device,
+                                 rotary_dim=config.rotary_dim or None, layer_type=key)
+            for key in dict.fromkeys(self.layer_rope)
+        }
+        self.rotary = self.rotaries[self.layer_rope[0]]
 
     def _apply(self, fn: Any, recurse: bool = True) -> CausalLM:
         """``.to(device)`` / ``.cuda()`` also move the rotary table (kept in float32)."""
@@ -264,8 +107,20 @@ class CausalLM(nn.Module):
         self._segments = {}
         device = self.embed_tokens.weight.device
         if device.type != "meta":
-            self.rotary.inv_freq = self.rotary.inv_freq.to(device)
+            for rotary in self.rotaries.values():
+                rotary.inv_freq = rotary.inv_freq.to(device)
         return self
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        """The embedding rows, times the family's embedding scale (Gemma rounds its scale to the
+        model dtype first, as transformers does; Granite multiplies by the float)."""
+        h = self.embed_tokens(input_ids)
+        scale = self.config.embed_scale
+        if scale is None:
+            return h
+        if self.config.norm_unit_offset:  # Gemma
+            return h * torch.tensor(scale, dtype=h.dtype, device=h.device)
+        return h * scale
 
     def forward(
         self,
@@ -283,11 +138,14 @@ class CausalLM(nn.Module):
         (a C++ stack then runs as a few segments split after the captured layers)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"need {len(self.layers)} kv caches, got {len(kv_caches)}")
-        if self.rotary.inv_freq.device != positions.device:
-            self.rotary.inv_freq = self.rotary.inv_freq.to(positions.device)
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)  # once per step, for all layers
-        rope = (cos[:, 0].contiguous(), sin[:, 0].contiguous())  # [T, D] each
+        h = self.embed(input_ids)  # [T, hidden]
+        ropes = {}  # once per step and rope setting, for all layers
+        for key, rotary in self.rotaries.items():
+            if rotary.inv_freq.device != positions.device:
+                rotary.inv_freq = rotary.inv_freq.to(positions.device)
+            cos, sin = rotary.cos_sin(positions, h.dtype)
+            ropes[key] = (cos[:, 0].contiguous(), sin[:, 0].contiguous())  # [T, R] each
+        rope = ropes[self.layer_rope[0]]
         stack = self._decoder_stack(attn_backend, meta)
         if stack is not None:  # every layer in one C++ call (kernels/csrc/fused.cpp)
             run, projections, plan = stack
@@ -309,7 +167,7 @@ class CausalLM(nn.Module):
         else:
             picked: dict[int, torch.Tensor] = {}
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-                h = layer(positions, h, kv_cache, meta, attn_backend, rope)
+                h = layer(positions, h, kv_cache, meta, attn_backend, ropes[self.layer_rope[i]])
                 if capture is not None and i in capture.layers:
                     picked[i] = h[capture.rows]  # a copy: fused layers update h in place
             if capture is not None:
@@ -378,10 +236,22 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] (after the final norm) -> logits [N, vocab] float32 ([N, len(
-        head_token_ids)] for a reduced head), computed in the model dtype like transformers."""
+        head_token_ids)] for a reduced head), computed in the model dtype like transformers,
+        then divided (Granite) and soft-capped (Gemma 2) as the family does."""
         if self.lm_head is None:  # tied and dense
-            return DenseLinear.apply(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = DenseLinear.apply(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        cfg = self.config
+        if cfg.logits_divisor is not None:
+            logits = logits / cfg.logits_divisor
+        if cfg.final_softcap is not None:
+            if self.fused_ops is not None and logits.dtype == torch.float32 and logits.dim() == 2:
+                logits = logits.contiguous()
+                self.fused_ops.softcap_(logits, cfg.final_softcap)  # rows batch-invariant
+            else:
+                logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits.float()
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Loads Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``...) into the

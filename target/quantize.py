@@ -38,6 +38,7 @@ from specserve.kernels.quant import (
 )
 from specserve.kernels.quant import quantize as quantize_blocks
 from specserve.target.config import ModelConfig
+from specserve.target.gguf_arch import PERMUTED_QK
 from specserve.target.model import CausalLM, set_fused_ops
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def gguf_block_weights(path: str | Path, model: CausalLM) -> dict[str, BlockQuan
     cfg = model.config
     reader = gguf.GGUFReader(str(path))
     arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
-    permuted = arch in ("llama", "mistral")  # transformers' LlamaTensorProcessor archs
+    permuted = arch in PERMUTED_QK  # the converter permutes these (target/gguf_arch.py)
     parts: dict[str, dict[int, BlockQuantWeight | None]] = {}
     head: BlockQuantWeight | None = None
     tied_table: BlockQuantWeight | None = None

@@ -1,4 +1,4 @@
-"""Our CausalLM against transformers: tiny random Llama/Mistral/Qwen2/Qwen3 models saved with
+"""Our CausalLM against transformers: tiny random models of every family saved with
 save_pretrained, loaded through specserve.target.loader, run over a paged KV cache (block size 4,
 shuffled block ids) in flattened mixed batches; every logits row must match transformers'
 forward."""
@@ -15,6 +15,7 @@ from specserve.kernels.metadata import AttentionMetadata
 from specserve.kernels.registry import get_attention_backend
 from specserve.target.loader import build_model, load_weights
 from specserve.target.model_runner import ModelRunner
+from tests.helpers.arch_cases import ARCH_CASES, arch_config
 from tests.helpers.tiny_models import SHARP, build_tiny_model, tiny_config
 
 BLOCK_SIZE = 4
@@ -50,6 +51,7 @@ CASES = {
         "qwen2", **BASE, use_sliding_window=True, sliding_window=4, max_window_layers=1
     ),
     "qwen3_tied": lambda: tiny_config("qwen3", **BASE, head_dim=16, tie_word_embeddings=True),
+    **{name: (lambda name=name: arch_config(name, **BASE)) for name in ARCH_CASES},
 }
 
 
@@ -127,14 +129,22 @@ def test_batched_prefill_then_decode_matches_transformers(tmp_path, case):
     if model_config.sliding_window is not None:
         # The window must matter here, or this test would not be testing it.
         unwindowed = CASES[case]()
-        unwindowed.sliding_window = None
+        unwindowed.sliding_window = 4096  # wider than any test sequence (Gemma needs one)
         unwindowed.layer_types = ["full_attention"] * unwindowed.num_hidden_layers
         plain = AutoModelForCausalLM.from_config(unwindowed, attn_implementation="eager").eval()
         plain.load_state_dict(hf.state_dict())
         assert (_hf_logits(plain, seqs[1]) - _hf_logits(hf, seqs[1])).abs().max() > 1e-2
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(hf.config, cap, None) is not None:
+            # each soft-cap must matter here too
+            uncapped = CASES[case]()
+            setattr(uncapped, cap, None)
+            plain = AutoModelForCausalLM.from_config(uncapped, attn_implementation="eager").eval()
+            plain.load_state_dict(hf.state_dict())
+            assert (_hf_logits(plain, seqs[1]) - _hf_logits(hf, seqs[1])).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("case", ["llama", "mistral_window", "qwen3_tied"])
+@pytest.mark.parametrize("case", ["llama", "mistral_window", "qwen3_tied", "gemma2", "gemma3"])
 def test_chunked_prefill_mixed_with_decode(tmp_path, case):
     hf, _, runner = _load(tmp_path, CASES[case]())
     gen = torch.Generator().manual_seed(2)

@@ -7,10 +7,14 @@
 //   add_rms_norm_(x, r, w, eps)    r += x (the residual stream, in place); returns rms_norm(r)
 //   rotary_qkv_(qkv, cos, sin, H, KVH, D)  rotate-half RoPE on the q and k parts, in place
 //   silu_mul(gate_up)              silu(gate) * up for gate_up = [gate | up]
+//   gelu_tanh_mul(gate_up)         gelu_tanh(gate) * up (Gemma's MLP)
+//   softcap_(x, cap)               x = cap * tanh(x / cap), in place (Gemma 2's final logits)
 //   paged_attention(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window, form)
 //       one query row at absolute position p attends keys 0..p (p-window+1..p with a sliding
 //       window) of its sequence in the paged cache: scores, max, exp, sum, weighted values,
 //       all in key order.
+//   paged_attention_capped(..., form, softcap)  the same with each score s (after the scale)
+//       replaced by softcap * tanh(s / softcap) (Gemma 2)
 //
 // Parallel regions run on the kernels' own pool (pool.h): chunks claimed as threads come free,
 // which moves no bit, since each row's (or work item's) arithmetic is its own.
@@ -169,6 +173,54 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
     }
   });
   return y;
+}
+
+// gelu_tanh(g) * up, g and up the halves of each row: 0.5 g (1 + tanh(u)), u = sqrt(2 / pi)
+// (g + 0.044715 g^3), tanh(u) = 1 - 2 / (1 + exp(2u)). Every element's arithmetic depends only
+// on its place in its row (8 lanes, then the tail), so rows never depend on the batch.
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor y = at::empty({T, I}, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr float kAlpha = 0.7978845608028654f, kBeta = 0.044715f;
+  parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* gt = g + t * 2 * I;
+      int64_t i = 0;
+      const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+      for (; i + 8 <= I; i += 8) {
+        const __m256 a = _mm256_loadu_ps(gt + i);
+        const __m256 a3 = _mm256_mul_ps(_mm256_mul_ps(a, a), a);
+        const __m256 u = _mm256_mul_ps(_mm256_set1_ps(kAlpha),
+                                       _mm256_add_ps(a, _mm256_mul_ps(_mm256_set1_ps(kBeta), a3)));
+        const __m256 th = _mm256_sub_ps(
+            one, _mm256_div_ps(two, _mm256_add_ps(one, exp256(_mm256_mul_ps(two, u)))));
+        const __m256 gl = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), a),
+                                        _mm256_add_ps(one, th));
+        _mm256_storeu_ps(yp + t * I + i, _mm256_mul_ps(gl, _mm256_loadu_ps(gt + I + i)));
+      }
+      for (; i < I; ++i) {
+        const float a = gt[i], u = kAlpha * (a + kBeta * (a * a * a));
+        const float th = 1.0f - 2.0f / (1.0f + std::exp(2.0f * u));
+        yp[t * I + i] = (0.5f * a * (1.0f + th)) * gt[I + i];
+      }
+    }
+  });
+  return y;
+}
+
+// x = cap * tanh(x / cap) in place, one scalar tanh per element (torch's vectorized tanh can
+// round an element differently when a thread's chunk boundary moves with the row count).
+void softcap_(at::Tensor& x, double cap) {
+  check_rows(x, "x");
+  const int64_t T = x.size(0), K = x.size(1);
+  float* xp = x.data_ptr<float>();
+  const float c = (float)cap;
+  parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b * K; i < e * K; ++i) xp[i] = c * std::tanh(xp[i] / c);
+  });
 }
 
 // r += x, row by row, in place (the residual stream): torch's add_ would run a prefill chunk's
@@ -612,6 +664,7 @@ struct AttendCall {
   float scale;
   bool wide;  // isa 1 or 2: the 16-lane loops
   bool dot;   // isa 2: bfloat16 products (bfloat16 caches only)
+  float softcap;  // > 0: scores become softcap * tanh(s / softcap)
   int64_t lo(int64_t t) const { return window > 0 ? std::max<int64_t>(0, ps[t] - window + 1) : 0; }
 };
 
@@ -693,6 +746,14 @@ void attend_keys(const AttendCall<T>& c, int64_t t0, int64_t nt, int64_t kvh, in
         score_row_512(qrow(x), w.keys.data(), a0, z, D, c.scale, sr);
       else
         score_row(qrow(x), w.keys.data(), a0, z, D, c.scale, sr);
+    }
+  }
+  if (c.softcap > 0.0f) {  // per score, so no bit depends on what else is in the call
+    for (int64_t x = 0; x < R; ++x) {
+      const int64_t r = x / sub;
+      float* sr = w.scores.data() + x * span;
+      for (int64_t j = lo[r] - jlo; j <= hi[r] - jlo; ++j)
+        sr[j] = c.softcap * std::tanh(sr[j] / c.softcap);
     }
   }
   prefetch_rows(w.vals.data(), 0, std::min(span, kChunk), D);
@@ -825,7 +886,7 @@ template <typename T>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_of,
                   const at::Tensor& pos_of, double scale, int64_t window, int64_t isa,
-                  int64_t tile, int64_t seg_len) {
+                  int64_t tile, int64_t seg_len, double softcap) {
   const int64_t num_rows = q.size(0), H = q.size(1), D = q.size(2);
   const AttendCall<T> c{q.data_ptr<float>(),
                         reinterpret_cast<const T*>(k_cache.data_ptr()),
@@ -834,7 +895,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                         seq_of.data_ptr<int64_t>(),
                         pos_of.data_ptr<int64_t>(),
                         H, k_cache.size(2), D, k_cache.size(1), block_tables.size(1),
-                        H / k_cache.size(2), window, (float)scale, isa >= 1, isa == 2};
+                        H / k_cache.size(2), window, (float)scale, isa >= 1, isa == 2,
+                        (float)softcap};
   const int64_t KVH = c.KVH, group = c.group;
   const int64_t* sq = c.sq;
   const int64_t* ps = c.ps;
@@ -1002,10 +1064,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   return out;
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_of, const at::Tensor& pos_of, double scale,
-                           int64_t window, int64_t form) {
+at::Tensor paged_attention_capped(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_of, const at::Tensor& pos_of,
+                                  double scale, int64_t window, int64_t form, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [T, H, D] tensor");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
@@ -1028,12 +1090,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t seg_len = seg > 0 ? int64_t{64} << seg : 0;
   if (bf16)
     return attend<bf16_t>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window, isa,
-                          tile, seg_len);
+                          tile, seg_len, softcap);
   if (k_cache.scalar_type() == at::kHalf)
     return attend<uint16_t>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window,
-                            isa, tile, seg_len);
+                            isa, tile, seg_len, softcap);
   return attend<float>(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window, isa,
-                       tile, seg_len);
+                       tile, seg_len, softcap);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_of, const at::Tensor& pos_of, double scale,
+                           int64_t window, int64_t form) {
+  return paged_attention_capped(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale, window,
+                                form, 0.0);
 }
 
 
@@ -1161,7 +1231,10 @@ void register_fused(pybind11::module& mod) {
   mod.def("add_rms_norm_", &add_rms_norm_);
   mod.def("rotary_qkv_", &rotary_qkv_);
   mod.def("silu_mul", &silu_mul);
+  mod.def("gelu_tanh_mul", &gelu_tanh_mul);
+  mod.def("softcap_", &softcap_);
   mod.def("paged_attention", &paged_attention);
+  mod.def("paged_attention_capped", &paged_attention_capped);
   mod.def("write_kv", &write_kv);
   mod.def("attention_form_supported", &attention_form_supported,
           "True when paged_attention's form (1024 * seg + 64 * isa + tile) runs here for "

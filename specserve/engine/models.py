@@ -127,7 +127,10 @@ def _gguf_tokenizer(path: Path) -> Any | None:
     if cached.is_dir():
         return AutoTokenizer.from_pretrained(cached)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        if _transformers_reads_gguf_arch(path):
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        else:
+            tokenizer = _tokenizer_from_gguf_metadata(path)
     except Exception as exc:
         if not _gguf_has_tokenizer(path):
             log.warning("%s carries no tokenizer; prompts must be token ids", path)
@@ -135,6 +138,27 @@ def _gguf_tokenizer(path: Path) -> Any | None:
         raise ModelLoadError(f"cannot build the tokenizer of {path}: {exc}") from exc
     write_dir_atomically(cached, tokenizer.save_pretrained)
     return tokenizer
+
+
+def _transformers_reads_gguf_arch(path: Path) -> bool:
+    """True when transformers' GGUF support knows the file's architecture (AutoTokenizer reads
+    the model config too, and refuses architectures it has no config mapping for, Granite)."""
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    field = GGUFReader(path).fields.get("general.architecture")
+    return field is not None and field.contents() in GGUF_SUPPORTED_ARCHITECTURES
+
+
+def _tokenizer_from_gguf_metadata(path: Path) -> Any:
+    """The tokenizer transformers builds from the file's tokenizer.* keys alone (what
+    AutoTokenizer does after reading the config), as a generic fast tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
 def _gguf_has_tokenizer(path: Path) -> bool:

@@ -12,15 +12,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+)
+
+from tests.helpers.tiny_gguf import (  # noqa: F401  (re-exported for the tests)
+    GGUF_SPECIALS,
+    GGUF_VOCAB_SIZE,
+    llama_cpp_permute,
+    write_gguf,
 )
 
 # The sizes most tests run: 300 tokens, 2 layers of width 64, grouped-query attention.
@@ -31,11 +41,11 @@ BASE = dict(
 )
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+    "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig, "phi3": Phi3Config,
+    "granite": GraniteConfig,
 }
-# Control tokens of the GGUF variant's byte-level BPE tokenizer (then the 256 byte symbols and
-# one merge): a GGUF model's vocabulary is exactly these 260 tokens.
-GGUF_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-GGUF_VOCAB_SIZE = len(GGUF_SPECIALS) + 256 + 1
+# GGUF_SPECIALS: control tokens of the GGUF variant's byte-level BPE tokenizer (then the 256
+# byte symbols and one merge): a GGUF model's vocabulary is exactly these GGUF_VOCAB_SIZE tokens.
 
 
 @dataclass(frozen=True)
@@ -99,9 +109,10 @@ def build_tiny_model(path: str | Path, config: PretrainedConfig, *, init: Weight
     its ``generate`` runs exactly ``max_new_tokens``, no EOS stop).
 
     fmt "hf": a folder as ``save_pretrained`` writes it (sharded at ``max_shard_size``), with
-    ``tokenizer`` saved beside it when given. fmt "gguf": ``path`` is the file, F32 tensors and
-    llama.cpp's q/k row permutation, with the byte-level BPE tokenizer of ``GGUF_SPECIALS``
-    (Llama only; the vocabulary must be ``GGUF_VOCAB_SIZE``)."""
+    ``tokenizer`` saved beside it when given. fmt "gguf": ``path`` is the file as llama.cpp's
+    converter writes it (``tests/helpers/tiny_gguf.py``: F32 tensors, the architecture's
+    metadata and tensor conventions, the byte-level BPE tokenizer of ``GGUF_SPECIALS``; the
+    vocabulary must be ``GGUF_VOCAB_SIZE``)."""
     model = random_model(config, init, seed, attn_implementation)
     if fmt == "hf":
         kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
@@ -117,72 +128,3 @@ def build_tiny_model(path: str | Path, config: PretrainedConfig, *, init: Weight
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
     model.generation_config.pad_token_id = 0
     return model
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half pairs -> interleaved pairs."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
-    )
-
-
-_GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-
-
-def write_gguf(model: torch.nn.Module, path: Path) -> None:
-    """Writes a transformers Llama as llama.cpp's converter would (F32)."""
-    import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    cfg = model.config
-    if cfg.model_type != "llama":
-        raise ValueError(f"the GGUF tiny model is a Llama (got {cfg.model_type})")
-    if cfg.vocab_size != GGUF_VOCAB_SIZE:
-        raise ValueError(f"a GGUF tiny model's vocabulary is its byte-level tokenizer's: "
-                         f"vocab_size must be {GGUF_VOCAB_SIZE} (got {cfg.vocab_size})")
-    state = model.state_dict()
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    # Byte-level BPE: the specials, the 256 byte symbols, one merge ("Ġ" + "t").
-    symbols = list(bytes_to_unicode().values())
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([*GGUF_SPECIALS, *symbols, "Ġt"])
-    w.add_token_types([gguf.TokenType.CONTROL] * len(GGUF_SPECIALS)
-                      + [gguf.TokenType.NORMAL] * 257)
-    w.add_token_merges(["Ġ t"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}")
-    w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
-    for i in range(cfg.num_hidden_layers):
-        for hf_name, gguf_name in _GGUF_NAMES.items():
-            t = state[f"model.layers.{i}.{hf_name}.weight"].numpy()
-            if gguf_name == "attn_q":
-                t = llama_cpp_permute(t, cfg.num_attention_heads)
-            elif gguf_name == "attn_k":
-                t = llama_cpp_permute(t, cfg.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{gguf_name}.weight", np.ascontiguousarray(t))
-    w.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
-    if not cfg.tie_word_embeddings:
-        w.add_tensor("output.weight", state["lm_head.weight"].numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
