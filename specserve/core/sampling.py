@@ -1,7 +1,9 @@
-"""Turning logits into tokens: logits processing (temperature, top-k, top-p, min_tokens) and
-sampling, vectorized over the batch.
+"""Turning logits into tokens: logits processing (min_tokens, logit bias and penalties,
+temperature, top-k, top-p) and sampling, vectorized over the batch.
 
-Greedy rows take the argmax of the raw logits (so greedy output is exactly the model's argmax).
+Greedy rows take the argmax of the raw logits after the min_tokens mask and the request's logit
+bias and penalties (``specserve.core.logits_processors``); with none of those set, greedy output
+is exactly the model's argmax.
 Sampled rows draw from softmax(processed logits); a row whose request has a seed draws with its
 own ``torch.Generator``, so its tokens do not depend on what else shares the batch.
 """
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.core.logits_processors import LogitsState, adjust_logits
 from specserve.core.sampling_params import SamplingParams
 
 
@@ -30,6 +33,7 @@ class SampleRequest:
     num_output_tokens: int
     generator: torch.Generator | None
     banned_until_min_tokens: list[int]  # EOS + stop ids, masked while output < min_tokens
+    logits_state: LogitsState | None = None  # bias and penalty counts, when the request has any
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
@@ -137,13 +141,15 @@ def sample(
     rows: list[SampleRequest],
     default_generator: torch.Generator | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Returns one token per row, and its logprobs when the row's request asked for them."""
+    """Returns one token per row, and its logprobs when the row's request asked for them
+    (those of the model's distribution, before bias and penalties)."""
     logits = apply_min_tokens(logits.clone(), rows)
-    tokens = logits.argmax(dim=-1)  # [N]; greedy rows keep this
+    scored = adjust_logits(logits, rows)  # [N, V]
+    tokens = scored.argmax(dim=-1)  # [N]; greedy rows keep this
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         idx = torch.tensor(sampled)
-        probs = sampling_probs(logits[idx], [rows[i].params for i in sampled])  # [S, V]
+        probs = sampling_probs(scored[idx], [rows[i].params for i in sampled])  # [S, V]
         unseeded = [j for j, i in enumerate(sampled) if rows[i].generator is None]
         if unseeded:
             tokens[idx[unseeded]] = draw(probs[unseeded], default_generator)

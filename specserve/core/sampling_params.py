@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from specserve.core.errors import InvalidRequestError
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample as greedy (vLLM uses the same bound)
+MAX_REPETITION_PENALTY = 100.0  # vLLM asks only > 0; a finite bound keeps logits finite
 
 
 @dataclass
@@ -18,6 +19,14 @@ class SamplingParams:
     filters. ``seed`` makes a sampled request reproducible regardless of what else is batched
     with it. ``stop`` strings are matched on the detokenized text and are not included in it;
     ``stop_token_ids`` and EOS end generation (EOS text is not included either).
+
+    Logits adjustments (``specserve.core.logits_processors``), applied to the raw logits before
+    temperature / top-k / top-p, to greedy and sampled rows alike: ``logit_bias`` adds its value
+    (in [-100, 100]) to the logit of each token id; ``presence_penalty`` and
+    ``frequency_penalty`` (in [-2, 2]) subtract ``presence * (count > 0) + frequency * count``
+    for every token by its count among the generated tokens (OpenAI's definition);
+    ``repetition_penalty`` (> 0, 1 = off) divides the positive logits and multiplies the
+    negative ones of every token seen in the prompt or the output (vLLM's definition).
     """
 
     max_tokens: int = 16
@@ -31,6 +40,10 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the chosen token's
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -40,6 +53,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether a penalty needs the request's token counts."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a logits adjustment (bias or penalty) applies."""
+        return bool(self.logit_bias) or self.counts_tokens
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -70,6 +94,30 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"logprobs must be in [0, 20] (got {self.logprobs!r})", param="logprobs"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2] (got {value!r})", param=name)
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], 1 disables it "
+                f"(got {self.repetition_penalty!r})", param="repetition_penalty")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids >= 0 (got {token!r})", param="logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(
+                    f"logit_bias values must be in [-100, 100] (got {bias!r} for token {token})",
+                    param="logit_bias")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the request names must exist in the model's vocabulary."""
+        bad = [t for t in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias names token id {bad[0]}, but this model's vocabulary has "
+                f"{vocab_size} tokens (ids 0..{vocab_size - 1})", param="logit_bias")
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 from specserve.core.batch import ScheduledBatch
 from specserve.core.config import EngineConfig
 from specserve.core.errors import InvalidRequestError
+from specserve.core.logits_processors import LogitsState
 from specserve.core.sampling import SampleRequest
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from specserve.core.sequence import Sequence
@@ -139,6 +140,7 @@ class LLMEngine:
                 param="prompt",
             )
         params.validate()
+        params.check_vocab(vocab)
         seq = Sequence(next(self._seq_ids), request_id, ids, params)
         detok = None
         if self.tokenizer is not None:
@@ -147,7 +149,8 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
         method = self.speculator.add(seq, speculative)  # raises for a method it cannot run
-        state = RequestState(seq, detok, self.eos_token_ids, self.config.max_model_len, generator)
+        state = RequestState(seq, detok, self.eos_token_ids, self.config.max_model_len, generator,
+                             LogitsState.of(params, ids, vocab, self.device))
         state.timings.speculative_method = method
         if method != "off":
             state.timings.warning = self.config.speculation_caveat
@@ -237,6 +240,8 @@ class LLMEngine:
             if seq.timings.first_token is None:
                 seq.timings.first_token = clock.sampled
             state.append(verified.token_ids, verified.logprobs, verified.num_accepted)
+            if state.logits_state is not None:  # penalties count what was kept, once
+                state.logits_state.add(seq.token_ids[n_before:])
             # KV is valid for the fed tokens up to the last accepted draft (rejection_sampler),
             # and never past the last token, which the next step feeds.
             seq.num_computed_tokens = min(n_before + verified.num_accepted, seq.num_tokens - 1)
@@ -266,6 +271,7 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             generator=self.requests[seq.request_id].generator,
             banned_until_min_tokens=banned,
+            logits_state=self.requests[seq.request_id].logits_state,
         )
 
     # ---- offline API --------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.core.logits_processors import LogitsState
 from specserve.core.sampling import TokenLogprob
 from specserve.core.sequence import FinishReason, Sequence
 from specserve.engine.outputs import RequestOutput, RequestTimings
@@ -34,6 +35,7 @@ class RequestState:
     eos_token_ids: frozenset[int]
     max_model_len: int
     generator: torch.Generator | None = None  # the request's own RNG when it has a seed
+    logits_state: LogitsState | None = None  # its bias and penalty counts, when it has any
     unsent: str = ""
     sent_token_len: int = 0
     new_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -50,6 +50,11 @@ one draw, as in plain decoding). Each emitted token still follows p. A determini
 draft with sum_x q(x) p(x) instead of sum_x min(p(x), q(x)), a little less often: the price
 of reproducible seeded output.
 
+Logit bias and penalties (``specserve.core.logits_processors.adjust_logits``) apply after the
+min_tokens mask at every position, position j counting the row's drafts d_0 .. d_{j-1} as
+generated tokens: exactly what plain decoding would count there had it produced those drafts. The
+greedy test and p use the adjusted logits; the draft's q may ignore them (any q stays exact).
+
 min_tokens: position j of a row is output index num_output_tokens + j; while that index is below
 ``params.min_tokens`` the banned ids (EOS, stop ids) are masked at that position, for greedy and
 sampled rows alike, exactly as the plain sampler masks its one position. Logprobs are computed as
@@ -64,6 +69,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.core.logits_processors import adjust_logits
 from specserve.core.sampling import (
     SampleRequest,
     TokenLogprob,
@@ -139,13 +145,15 @@ def rejection_sample(
         drafts[draft_valid] = torch.tensor(flat, dtype=torch.long, device=device)
 
     logits = _mask_min_tokens(target_logits.float().clone(), rows, ks)  # [T, V]
+    scored = adjust_logits(logits, [r.request for r in rows],
+                           [r.draft_token_ids for r in rows])  # [T, V] bias and penalties
     num_accepted = torch.zeros(num_rows, dtype=torch.long, device=device)  # [B]
     last_token = torch.zeros(num_rows, dtype=torch.long, device=device)  # [B]
 
     greedy = [b for b, r in enumerate(rows) if r.request.params.greedy]
     if greedy:
         g = torch.tensor(greedy, device=device)
-        target = logits.argmax(dim=-1)[pos_idx[g]]  # [G, K+1] target argmax per position
+        target = scored.argmax(dim=-1)[pos_idx[g]]  # [G, K+1] target argmax per position
         match = (drafts[g] == target[:, :max_k]) & draft_valid[g]  # [G, K]
         acc = match.long().cumprod(dim=1).sum(dim=1)  # [G]
         num_accepted[g] = acc
@@ -154,7 +162,7 @@ def rejection_sample(
     sampled = [b for b, r in enumerate(rows) if not r.request.params.greedy]
     if sampled:
         acc, tok = _sample_rows(
-            logits, rows, sampled, ks, pos_idx, draft_idx, draft_valid, drafts, draft_probs,
+            scored, rows, sampled, ks, pos_idx, draft_idx, draft_valid, drafts, draft_probs,
             default_generator,
         )
         s = torch.tensor(sampled, device=device)
@@ -167,12 +175,14 @@ def rejection_sample(
 
 
 def _plain_greedy(row: SpecDecodeRow) -> bool:
-    """Greedy, no logprobs, no min_tokens ban in reach: the target's argmax alone decides."""
+    """Greedy, no logprobs, no min_tokens ban in reach, no bias or penalty: the target's argmax
+    alone decides."""
     req = row.request
     params = req.params
     return (
         params.greedy
         and params.logprobs is None
+        and req.logits_state is None
         and (not req.banned_until_min_tokens or params.min_tokens <= req.num_output_tokens)
     )
 
@@ -212,7 +222,7 @@ def _mask_min_tokens(
 
 
 def _sample_rows(
-    logits: torch.Tensor,  # [T, V] min_tokens-masked target logits
+    logits: torch.Tensor,  # [T, V] min_tokens-masked, biased and penalized target logits
     rows: list[SpecDecodeRow],
     sampled: list[int],  # the S non-greedy rows
     ks: list[int],
