@@ -24,9 +24,11 @@ class UnsupportedArchitectureError(ModelLoadError):
 
 
 class InvalidRequestError(SpecServeError):
-    """A request field is invalid. ``param`` names the offending field (OpenAI's ``param``)."""
+    """A request field is invalid. ``param`` names the offending field (OpenAI's ``param``);
+    ``code``, where OpenAI has one for the case (``context_length_exceeded``)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code

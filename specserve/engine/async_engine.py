@@ -435,7 +435,7 @@ class AsyncEngine:
                     f"prompt ({len(ids)} tokens) + max_tokens ({req.params.max_tokens}) exceeds "
                     f"the context window of {limit} tokens: lower max_tokens to at most "
                     f"{limit - len(ids)} or shorten the prompt",
-                    param="max_tokens",
+                    param="max_tokens", code="context_length_exceeded",
                 )
             req.params.max_tokens = limit - len(ids)
             req.params.min_tokens = min(req.params.min_tokens, req.params.max_tokens)

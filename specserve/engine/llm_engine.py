@@ -137,7 +137,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt is {len(ids)} tokens, but the context window (max-model-len) is "
                 f"{self.config.max_model_len}: shorten the prompt or raise --max-model-len",
-                param="prompt",
+                param="prompt", code="context_length_exceeded",
             )
         params.validate()
         params.check_vocab(vocab)

@@ -32,7 +32,9 @@ from specserve.engine.request_stream import RequestStream
 from specserve.server import protocol as P
 from specserve.server.deadlines import Deadline, DeadlineTimer, RequestTimeoutError, before_deadline
 from specserve.server.metrics import ServerMetrics
+from specserve.server.refusals import check_refused
 from specserve.server.server_config import ServerConfig
+from specserve.server.ws_messages import WsChatRequest, WsCompletionRequest
 
 log = structlog.get_logger("specserve.server.app")
 
@@ -49,7 +51,7 @@ def error_of(exc: BaseException) -> tuple[int, P.ErrorInfo]:
     if isinstance(exc, ApiError):
         return exc.status, exc.info
     if isinstance(exc, InvalidRequestError):
-        return 400, P.ErrorInfo(exc.message, "invalid_request_error", exc.param)
+        return 400, P.ErrorInfo(exc.message, "invalid_request_error", exc.param, exc.code)
     if isinstance(exc, msgspec.ValidationError):
         param = P.validation_param(str(exc))
         return 400, P.ErrorInfo(P.validation_message(str(exc), param), "invalid_request_error",
@@ -112,14 +114,18 @@ class Server:
         return text
 
     async def parse(self, kind: str, body: bytes, stream: bool | None = None,
-                    arrival: float | None = None) -> Job:
+                    arrival: float | None = None, websocket: bool = False) -> Job:
         """Decodes and validates a completions / chat body (the chat template renders on the
-        engine's text worker, not on the loop); raises 400/404-class errors. ``arrival``
-        (loop time, default now) starts the request's deadline."""
+        engine's text worker, not on the loop); raises 400/404-class errors, a field the
+        server does not implement included (refusals.py). ``arrival`` (loop time, default now)
+        starts the request's deadline; ``websocket``: the body also carries the WebSocket
+        envelope's fields."""
         arrival = asyncio.get_running_loop().time() if arrival is None else arrival
         deadline: Deadline | None = None
         if kind == "chat":
-            chat = msgspec.json.decode(body, type=P.ChatCompletionRequest)
+            chat = P.decode_request(
+                body, WsChatRequest if websocket else P.ChatCompletionRequest)
+            check_refused(chat)
             deadline = Deadline.of(chat.timeout, self.config.request_timeout, arrival)
             messages = P.chat_messages(chat)
             try:
@@ -134,7 +140,9 @@ class Server:
             req: P._Common = chat
             logprobs = chat.logprobs
         elif kind == "completion":
-            comp = msgspec.json.decode(body, type=P.CompletionRequest)
+            comp = P.decode_request(
+                body, WsCompletionRequest if websocket else P.CompletionRequest)
+            check_refused(comp)
             deadline = Deadline.of(comp.timeout, self.config.request_timeout, arrival)
             params, clamp = P.completion_params(comp), False
             seqs = [(prompt, p) for prompt in P.completion_prompts(comp) for p in params]

@@ -99,6 +99,8 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
         if status >= 500 and not isinstance(exc, (EngineUnavailableError, ApiError)):
             log.exception("request_failed", endpoint=endpoint)
         resp = _json(P.ErrorResponse(info), status)
+        if isinstance(exc, web.HTTPMethodNotAllowed):  # RFC 9110: a 405 names what is allowed
+            resp.headers["Allow"] = exc.headers["Allow"]
         request[LOG_KEY] = {**request.get(LOG_KEY, {}), "error": info.message, "param": info.param}
     server.metrics.observe_request(endpoint, resp.status)
     if request.path.startswith("/v1/") and request.method == "POST":
@@ -163,7 +165,12 @@ async def health(request: web.Request) -> web.Response:
 async def openapi(request: web.Request) -> web.Response:
     server = request.app[APP_KEY]
     if server.openapi is None:
-        server.openapi = _enc.encode(openapi_document(bool(server.config.api_key)))
+        engine = server.engine.engine
+        spec = engine.speculator
+        methods = [m for m in spec.registry.methods() if spec.available(m)]
+        server.openapi = _enc.encode(openapi_document(
+            bool(server.config.api_key), engine.model_config.vocab_size, methods,
+            server.engine.max_model_len))
     return web.Response(body=server.openapi, content_type="application/json")
 
 

@@ -1,11 +1,18 @@
 """OpenAI-compatible request/response bodies (msgspec Structs) and the conversions to and from the
 engine's types.
 
-Requests decode with ``msgspec.json.decode(body, type=...)``; unknown fields are ignored (OpenAI
-clients send extras), wrong types raise ``msgspec.ValidationError`` whose ``$.path`` becomes the
-error's ``param`` (see ``validation_param``). Response Structs with ``omit_defaults`` leave out
-only the optional extras (``usage``, ``timings``); fields OpenAI always sends (``object``,
-``finish_reason: null``, ``logprobs: null``) have no default, or live on Structs that keep them.
+Requests decode with ``msgspec.json.decode(body, type=...)``. Every field of OpenAI's chat and
+completions requests is declared: the implemented ones with their types and ranges, metadata
+(``user``, ``metadata``, ``store``, ``service_tier``, ...) accepted and ignored as OpenAI documents,
+and the rest refused with a 400 naming them (the table in ``refusals.py``). A field in neither
+OpenAI's documentation nor ours is refused too (``forbid_unknown_fields``): a request is never
+answered as if a field it sent had been applied. Wrong types raise ``msgspec.ValidationError``
+whose ``$.path`` becomes the error's ``param`` (see ``validation_param``).
+
+Response Structs with ``omit_defaults`` leave out only the optional extras (``usage``,
+``timings``); fields OpenAI always sends (``object``, ``finish_reason: null``, ``logprobs:
+null``) have no default, or live on Structs that keep them. The WebSocket's messages are in
+``ws_messages.py``.
 """
 
 from __future__ import annotations
@@ -13,15 +20,20 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling import TokenLogprob
-from specserve.core.sampling_params import SamplingParams, SpeculativeParams
+from specserve.core.sampling_params import (
+    MAX_REPETITION_PENALTY,
+    SamplingParams,
+    SpeculativeParams,
+)
 from specserve.engine.outputs import RequestOutput, RequestTimings
+from specserve.server.refusals import check_refused
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -36,20 +48,34 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 TimeoutSeconds = Annotated[float, Meta(gt=0.0, le=1e6)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0, description="in [-2, 2]; 0 disables it")]
+RepetitionPenalty = Annotated[float, Meta(
+    gt=0.0, le=MAX_REPETITION_PENALTY,
+    description="vLLM's: logits of tokens in the prompt or the output divided (positive) or "
+                "multiplied (negative) by it; 1 disables it")]
+# OpenAI's logit_bias: {"token id": bias}; the ids must also be below the model's vocabulary size
+# (the OpenAPI document states the exact bound of the served model).
+TokenIdKey = Annotated[str, Meta(pattern=r"^(0|[1-9][0-9]{0,8})$")]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+LogitBias = Annotated[dict[TokenIdKey, Bias], Meta(
+    description="token id -> a value in [-100, 100] added to its logit before sampling "
+                "(-100 bans the token, 100 forces it)")]
+Refused = Annotated[Any, Meta(description="not implemented: refused with 400 unless null")]
 
 # ---- requests ---------------------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted; this server pads no events
 
 
-class SpeculativeOptions(msgspec.Struct):
+class SpeculativeOptions(msgspec.Struct, forbid_unknown_fields=True):
     method: str | None = None  # a proposer name or "off"; None keeps the server's
     num_tokens: Annotated[int, Meta(ge=0, le=16)] | None = None  # None keeps the server's k_max
 
 
-class _Common(msgspec.Struct, kw_only=True):
+class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by completions and chat (OpenAI + vLLM-style extensions)."""
 
     model: str | None = None
@@ -57,24 +83,44 @@ class _Common(msgspec.Struct, kw_only=True):
     top_p: TopP | None = None
     top_k: TopK | None = None  # -1 or 0 disables
     seed: int | None = None  # choice i of n uses seed + i
-    stop: str | list[str] | None = None
+    stop: str | list[Annotated[str, Meta(min_length=1)]] | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
     n: NumChoices = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: NonNegativeInt = 0
+    min_tokens: NonNegativeInt = 0  # a value above max_tokens counts as max_tokens
     skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
-    user: str | None = None
     timeout: TimeoutSeconds | None = None  # seconds from arrival; None: --request-timeout
+    logit_bias: LogitBias | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    # OpenAI's metadata: accepted and ignored (nothing is stored; there are no service tiers)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # prefix caching needs no key here
+    safety_identifier: str | None = None
+    # Refused (see refusals.py): vLLM's structured-output extensions
+    structured_outputs: Refused = None
+    guided_json: Refused = None
+    guided_regex: Refused = None
+    guided_choice: Refused = None
+    guided_grammar: Refused = None
+    guided_decoding_backend: Refused = None
+    guided_whitespace_pattern: Refused = None
 
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[int | str]  # text, token ids, or a list of texts (one choice set each)
     max_tokens: PositiveInt | None = 16
     logprobs: NumLogprobs | None = None
-    echo: bool = False
+    echo: bool | None = None  # refused unless false
+    best_of: PositiveInt | None = None  # refused unless 1
+    suffix: Refused = None
 
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text"):
@@ -96,11 +142,15 @@ class ImageUrlPart(msgspec.Struct, tag_field="type", tag="image_url"):
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: Role
     content: str | list[TextPart | ImageUrlPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # tool messages carry it; the template may use it
+    refusal: str | None = None  # an assistant's earlier refusal; its content says the same
+    tool_calls: Refused = None  # an assistant's earlier calls: tool calling is not implemented
+    function_call: Refused = None
+    audio: Refused = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -109,20 +159,61 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+    # Refused (see refusals.py) unless null or the value given there
+    response_format: Refused = None
+    tools: Refused = None
+    tool_choice: Refused = None
+    parallel_tool_calls: Refused = None
+    functions: Refused = None
+    function_call: Refused = None
+    prediction: Refused = None
+    audio: Refused = None
+    modalities: Refused = None
+    reasoning_effort: Refused = None
+    verbosity: Refused = None
+    web_search_options: Refused = None
 
 
-_AT = re.compile(r"at `\$\.?([^`]*)`")
+_Req = TypeVar("_Req", bound=msgspec.Struct)
+
+
+def decode_request(body: bytes, type_: type[_Req]) -> _Req:
+    """Decodes a request body. JSON Schema (and so the OpenAPI document) counts 424.0 as an
+    integer, msgspec does not: a body that fails on a float where an int belongs is decoded
+    again with its integral floats as ints (every float field takes an int too), so the server
+    accepts exactly what the document allows. Only that failing path pays for the second pass."""
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        if "got `float`" not in str(exc):
+            raise
+    return msgspec.convert(_integral(msgspec.json.decode(body)), type=type_)
+
+
+def _integral(obj: Any) -> Any:
+    if isinstance(obj, float) and obj.is_integer():
+        return int(obj)
+    if isinstance(obj, list):
+        return [_integral(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _integral(v) for k, v in obj.items()}
+    return obj
+
+
+_AT = re.compile(r"(?:at|in) `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
 
 def validation_param(message: str) -> str | None:
     """``Expected `float`, got `str` - at `$.temperature``` -> ``temperature``;
-    ``Object missing required field `prompt``` -> ``prompt`` (nested paths keep their dots)."""
+    ``Object missing required field `prompt``` -> ``prompt`` (nested paths keep their dots);
+    a dict's key or value (``at `key` in `$.logit_bias```, ``$.logit_bias[...]``) -> the dict."""
     at = _AT.search(message)
-    path = at.group(1) if at else ""
-    missing = _MISSING.search(message)
-    if missing:
-        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    path = at.group(1).replace("[...]", "") if at else ""  # a dict's key or value: the dict
+    named = _MISSING.search(message) or _UNKNOWN.search(message)
+    if named:
+        path = f"{path}.{named.group(1)}" if path else named.group(1)
     return path or None
 
 
@@ -132,6 +223,9 @@ _HINTS = {"role": "roles are system, developer, user, assistant and tool",
 
 def validation_message(message: str, param: str | None) -> str:
     """msgspec's message plus what is allowed where msgspec only says what was wrong."""
+    if _UNKNOWN.search(message):
+        return (f"unknown field `{param}`: neither an OpenAI request field nor one of this "
+                "server's extensions; remove it (GET /openapi.json lists every field)")
     hint = _HINTS.get((param or "").rsplit(".", 1)[-1])
     return f"{message} ({hint})" if hint and "Invalid" in message else message
 
@@ -141,6 +235,7 @@ def _sampling(req: _Common, max_tokens: int, logprobs: int | None, index: int) -
     top_k = req.top_k or 0
     if top_k == -1:
         top_k = 0
+    bias = {int(tok): value for tok, value in (req.logit_bias or {}).items()}
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -150,9 +245,13 @@ def _sampling(req: _Common, max_tokens: int, logprobs: int | None, index: int) -
         stop=stop,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens,
+        min_tokens=min(req.min_tokens, max_tokens),
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        logit_bias=bias,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
     )
 
 
@@ -170,8 +269,6 @@ def _check_n(req: _Common) -> None:
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     """The prompts a completions body asks for: one string, one token-id list, or several
     strings (choices are numbered prompt-major: prompt p, choice i -> index p * n + i)."""
-    if req.echo:
-        raise InvalidRequestError("echo is not supported", param="echo")
     p = req.prompt
     if isinstance(p, str):
         return [p]
@@ -188,9 +285,8 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 def completion_params(req: CompletionRequest) -> list[SamplingParams]:
     """One SamplingParams per choice (index i of n)."""
     _check_n(req)
-    if req.max_tokens is None:
-        raise InvalidRequestError("max_tokens must be an integer >= 1", param="max_tokens")
-    return [_sampling(req, req.max_tokens, req.logprobs, i) for i in range(req.n)]
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # null: OpenAI's default
+    return [_sampling(req, max_tokens, req.logprobs, i) for i in range(req.n)]
 
 
 def chat_params(
@@ -213,6 +309,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         raise InvalidRequestError("messages must not be empty", param="messages")
     out = []
     for i, m in enumerate(req.messages):
+        check_refused(m, f"messages[{i}].")
         content = m.content
         if isinstance(content, list):
             for j, part in enumerate(content):
@@ -417,51 +514,3 @@ def chat_logprobs(lps: list[TokenLogprob], text: TokenText) -> ChatLogprobs:
         content.append(ChatTokenLogprob(t, lp.logprob, list(t.encode()),
                                         [entry(tid, v) for tid, v in lp.top]))
     return ChatLogprobs(content)
-
-
-# ---- WebSocket messages (see README: "WebSocket protocol") ----------------------------------
-
-
-class WsEnvelope(msgspec.Struct):
-    """Every client message: ``type`` request | cancel, the client's ``id``; a request also has
-    ``kind`` completion | chat and the fields of that body."""
-
-    type: str
-    id: str | None = None
-    kind: str = "completion"
-
-
-class WsToken(msgspec.Struct):
-    type: str  # "token"
-    id: str
-    text: str
-    token_ids: list[int]
-    # Additive (old clients ignore them): per token of token_ids, whether it was an accepted
-    # draft token; `text` as [length in code points, from_draft] runs; the request's running
-    # drafted / accepted / verify-step counts (acceptance rate, mean accepted length).
-    from_draft: list[bool] = []
-    text_spans: list[tuple[int, bool]] = []
-    num_drafted: int = 0
-    num_accepted: int = 0
-    num_verify_steps: int = 0
-
-
-def ws_token(cid: str, out: RequestOutput) -> WsToken:
-    t = out.timings
-    return WsToken("token", cid, out.text, out.token_ids, out.new_from_draft,
-                   out.delta_spans, t.num_drafted, t.num_accepted, t.num_verify_steps)
-
-
-class WsDone(msgspec.Struct):
-    type: str  # "done"
-    id: str
-    finish_reason: str | None
-    usage: UsageInfo
-    timings: dict
-    text: str  # the whole completion, for clients that skip the token events
-
-
-class WsError(msgspec.Struct):
-    type: str  # "error"
-    id: str | None
-    error: ErrorInfo

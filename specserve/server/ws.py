@@ -15,6 +15,7 @@ from aiohttp import web
 from specserve.core.errors import InvalidRequestError
 from specserve.engine.async_engine import EngineUnavailableError
 from specserve.server import protocol as P
+from specserve.server import ws_messages as W
 from specserve.server.api import APP_KEY, error_of, log, tenant_of
 from specserve.server.playground import WS_KEY_PROTOCOL
 
@@ -57,7 +58,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     async def run(cid: str, kind: str, data: bytes, arrival: float) -> None:
         status: int | str = 200
         try:
-            job = await server.parse(kind, data, stream=True, arrival=arrival)
+            job = await server.parse(kind, data, stream=True, arrival=arrival, websocket=True)
             if len(job.seqs) != 1:
                 raise InvalidRequestError("n must be 1 (and prompt a single one) over the "
                                           "WebSocket; open one request per choice", param="n")
@@ -69,10 +70,10 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
             async for _, out in server.outputs(streams, job.deadline):
                 if out.text or out.token_ids:
                     parts.append(out.text)
-                    await send(P.ws_token(cid, out))
+                    await send(W.ws_token(cid, out))
                 if out.finished and not (job.deadline and job.deadline.cut(out)):
                     # (cut by its deadline: outputs() raises next, and "error" is the end)
-                    await send(P.WsDone("done", cid, out.finish_reason, P.usage_of([out]),
+                    await send(W.WsDone("done", cid, out.finish_reason, P.usage_of([out]),
                                         P.timings_of([out]), "".join(parts)))
                     log.info("request", endpoint="/ws", request_id=job.id, status=200,
                              finish_reason=out.finish_reason,
@@ -84,7 +85,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
             raise
         except Exception as exc:
             status, info = error_of(exc)
-            await send(P.WsError("error", cid, info))
+            await send(W.WsError("error", cid, info))
         finally:
             tasks.pop(cid, None)
             cancelled.discard(cid)
@@ -96,11 +97,11 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
                 break
             data = msg.data.encode() if isinstance(msg.data, str) else msg.data
             try:
-                env = msgspec.json.decode(data, type=P.WsEnvelope)
+                env = msgspec.json.decode(data, type=W.WsEnvelope)
                 if env.id is None or env.id == "":
                     raise InvalidRequestError("every message needs a non-empty id", param="id")
             except Exception as exc:
-                await send(P.WsError("error", None, error_of(exc)[1]))
+                await send(W.WsError("error", None, error_of(exc)[1]))
                 continue
             cid = env.id
             if env.type == "cancel":
@@ -108,11 +109,11 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
                     cancelled.add(cid)
                     server.engine.abort(f"ws-{conn}-{cid}-0")
             elif env.type != "request":
-                await send(P.WsError("error", cid, P.ErrorInfo(
+                await send(W.WsError("error", cid, P.ErrorInfo(
                     f"unknown message type {env.type!r}: use request or cancel",
                     "invalid_request_error", "type")))
             elif cid in tasks:
-                await send(P.WsError("error", cid, P.ErrorInfo(
+                await send(W.WsError("error", cid, P.ErrorInfo(
                     f"id {cid!r} is already running on this connection",
                     "invalid_request_error", "id")))
             else:
