@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.core.errors import InvalidRequestError
+from specserve.core.structured import StructuredSpec
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample as greedy (vLLM uses the same bound)
 
@@ -18,6 +19,8 @@ class SamplingParams:
     filters. ``seed`` makes a sampled request reproducible regardless of what else is batched
     with it. ``stop`` strings are matched on the detokenized text and are not included in it;
     ``stop_token_ids`` and EOS end generation (EOS text is not included either).
+    ``structured``: the output must match it (a JSON schema, a regex, ...); the grammar then
+    decides where the answer ends, so it does not combine with ``min_tokens``.
     """
 
     max_tokens: int = 16
@@ -31,6 +34,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the chosen token's
     skip_special_tokens: bool = True
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +68,11 @@ class SamplingParams:
                 f"max_tokens {self.max_tokens})",
                 param="min_tokens",
             )
+        if self.structured is not None and self.min_tokens:
+            raise InvalidRequestError(
+                "min_tokens cannot be combined with a structured output (response_format, "
+                "structured_outputs): the grammar decides where the answer ends",
+                param="min_tokens")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise InvalidRequestError("stop must be non-empty strings", param="stop")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
