@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -22,6 +22,12 @@ from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling import TokenLogprob
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from specserve.engine.outputs import RequestOutput, RequestTimings
+from specserve.server.structured_fields import (
+    ResponseFormat,
+    StructuredOutputs,
+    check_removed,
+    structured_spec,
+)
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -36,6 +42,7 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 TimeoutSeconds = Annotated[float, Meta(gt=0.0, le=1e6)]
+Removed = Annotated[Any, Meta(extra_json_schema={"not": {}, "deprecated": True})]
 
 # ---- requests ---------------------------------------------------------------------------
 
@@ -68,6 +75,16 @@ class _Common(msgspec.Struct, kw_only=True):
     speculative: SpeculativeOptions | None = None
     user: str | None = None
     timeout: TimeoutSeconds | None = None  # seconds from arrival; None: --request-timeout
+    # structured outputs (structured_fields.py): OpenAI's and vLLM's current fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's removed names: decoded only to answer them with a 400 naming the replacement
+    # (the schema says so: any value but absence is invalid)
+    guided_json: Removed = None
+    guided_regex: Removed = None
+    guided_choice: Removed = None
+    guided_grammar: Removed = None
+    guided_decoding_backend: Removed = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -137,6 +154,9 @@ def validation_message(message: str, param: str | None) -> str:
 
 
 def _sampling(req: _Common, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+    check_removed({name: getattr(req, name) for name in (
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend")})
     stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
     top_k = req.top_k or 0
     if top_k == -1:
@@ -153,6 +173,7 @@ def _sampling(req: _Common, max_tokens: int, logprobs: int | None, index: int) -
         min_tokens=req.min_tokens,
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        structured=structured_spec(req.response_format, req.structured_outputs),
     )
 
 
