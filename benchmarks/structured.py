@@ -11,8 +11,10 @@ greedy. (1) Constrained: each prompt under the schema; unconstrained: the same p
 ``ignore_eos`` and ``max_tokens`` = the constrained answer's length, so both time the same number
 of decode steps; the figure is the ratio of decode time per output token. (2) The same prompts,
 constrained, with speculation ``off`` and each method; the answers must be token-identical
-(checked), the figure is wall time per round, plain / method. Rounds alternate the modes; the
-median round counts. The suffix cache and the policy warm up in round 0, which is not counted.
+(checked), the figure is wall time per round, plain / method; ``M-noforced`` is method M without
+the grammar's forced drafts (specserve/spec/grammar.py, ``forced_tokens``). Rounds alternate
+the modes; the median round counts. The suffix cache and the policy warm up in round 0, which
+is not counted.
 """
 
 from __future__ import annotations
@@ -71,7 +73,12 @@ def _prompts(engine: LLMEngine) -> list[str]:
 
 
 def _run(engine, prompts, params, method, concurrent: bool):
-    """(seconds, outputs); concurrent: all prompts in one batch, else one after another."""
+    """(seconds, outputs); concurrent: all prompts in one batch, else one after another.
+    ``method`` "M-noforced": M without the grammar's forced drafts (the A/B of what they buy)."""
+    forced = not method.endswith("-noforced")
+    method = method.removesuffix("-noforced")
+    planner = engine.speculator.planner
+    planner.forced_draft = engine.speculator._forced_draft if forced else None
     spec = SpeculativeParams(method=method)
     t0 = time.perf_counter()
     if concurrent:
@@ -90,7 +97,8 @@ def _decode_ms_per_token(outs) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--methods", default="suffix,ngram,draft,auto")
+    ap.add_argument("--methods", default="suffix,suffix-noforced,ngram,ngram-noforced,draft,"
+                    "auto,auto-noforced")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()

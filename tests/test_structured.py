@@ -99,6 +99,50 @@ def test_drafts_cut_before_verify(engines):
     assert out.timings.num_drafted <= len(out.token_ids)  # only grammar-valid drafts verified
 
 
+def test_forced_drafts_come_from_the_grammar(engines):
+    """Where the proposer has nothing, the grammar's forced text (keys, punctuation) is drafted:
+    more drafts than without it, the same answer."""
+    engine = engines
+    spec = StructuredSpec.json_schema(SCHEMA, "s")
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured=spec)
+    plain = engine.generate(PROMPTS, params, SpeculativeParams(method="off"))
+    planner = engine.speculator.planner
+    drafted = {}
+    try:
+        for forced in (True, False):
+            planner.forced_draft = engine.speculator._forced_draft if forced else None
+            outs = engine.generate(PROMPTS, params, SpeculativeParams(method="ngram"))
+            assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+            drafted[forced] = sum(o.timings.num_drafted for o in outs)
+    finally:
+        planner.forced_draft = engine.speculator._forced_draft
+    assert drafted[True] > drafted[False], drafted
+
+
+def test_grammar_state_masks_rows_and_rolls_back(engines):
+    """prepare() masks row j after drafts 0..j-1 and cuts at the first rejected draft;
+    commit() keeps exactly the accepted tokens (the matcher then accepts what follows)."""
+    engine = engines
+    spec = StructuredSpec.choice(["abc", "abd"], "c")
+    compiled = engine.grammar_compiler.compile(spec)
+    from specserve.spec.grammar import GrammarState
+
+    tok = engine.tokenizer
+    ids = tok.encode("abc", add_special_tokens=False)
+    g = GrammarState.start(compiled, engine.model_config.vocab_size, engine._encode_text)
+    bad = tok.encode("x", add_special_tokens=False)
+    kept, masks = g.prepare(ids + bad + ids)
+    assert kept == len(ids) and masks.shape[0] == kept + 1
+    logits = torch.zeros(masks.shape[0], engine.model_config.vocab_size)
+    allowed = ~torch.isinf(apply_token_bitmask(logits, masks))
+    for j, t in enumerate(ids):
+        assert allowed[j, t]  # each kept draft allowed by its own row
+    assert not allowed[len(ids), bad[0]]
+    g.commit(ids[:0] + [ids[0]], 0)  # the target kept none of them and emitted ids[0]
+    kept2, _ = g.prepare(ids[1:])
+    assert kept2 == len(ids) - 1
+
+
 def test_sampled_constrained_outputs_match(engines):
     engine = engines
     for spec in _specs():
@@ -185,7 +229,8 @@ def test_default_model_schema_outputs_validate():
         "required": ["name", "age", "city"], "additionalProperties": False}
     engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=512))
     prompt = engine.render_chat([{"role": "user", "content":
-                                  "Describe Bob, 31, from Paris, as a JSON object."}])
+                                  "Return a JSON object with keys name, age and city for Bob, "
+                                  "31, from Paris."}])
     params = SamplingParams(max_tokens=80, temperature=0.0,
                             structured=StructuredSpec.json_schema(schema, "s"))
     obj = SamplingParams(max_tokens=80, temperature=0.0,

@@ -116,6 +116,9 @@ class LLMEngine:
                 return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
+    def _encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def render_chat(self, messages: list[dict]) -> str:
         with self.tracer.span("chat_template"):
             return apply_chat_template(self.tokenizer, messages)
@@ -147,7 +150,7 @@ class LLMEngine:
         grammar = None
         if params.structured is not None:  # the async engine compiled it already: a cache hit
             compiled = self.grammar_compiler.compile(params.structured)
-            grammar = GrammarState.start(compiled, self.model_config.vocab_size)
+            grammar = GrammarState.start(compiled, self.model_config.vocab_size, self._encode_text)
         seq = Sequence(next(self._seq_ids), request_id, ids, params)
         detok = None
         if self.tokenizer is not None:

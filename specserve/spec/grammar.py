@@ -24,6 +24,7 @@ has consumed its end (the engine then ends the request, even under ``ignore_eos`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +35,25 @@ import torch
 class GrammarState:
     matcher: Any  # xgrammar.GrammarMatcher over the tokens emitted so far
     vocab_size: int
+    encode: Callable[[str], list[int]] | None = None  # text -> token ids (forced drafts)
     pending: int = 0  # drafts the matcher has accepted this step, not yet verified
 
     @staticmethod
-    def start(compiled: Any, vocab_size: int) -> GrammarState:
+    def start(compiled: Any, vocab_size: int,
+              encode: Callable[[str], list[int]] | None = None) -> GrammarState:
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(compiled), vocab_size)
+        return GrammarState(xgr.GrammarMatcher(compiled), vocab_size, encode)
+
+    def forced_tokens(self, k: int) -> list[int]:
+        """Up to ``k`` tokens of the text the grammar forces next (xgrammar's jump-forward
+        string: a key, the punctuation between values, the rest of an enum value), tokenized
+        on its own. A draft like any other: the target verifies it, and where the model would
+        tokenize the text differently the draft is simply rejected."""
+        if self.encode is None or k <= 0 or self.matcher.is_terminated():
+            return []
+        text = self.matcher.find_jump_forward_string()
+        return self.encode(text)[:k] if text else []
 
     @property
     def terminated(self) -> bool:

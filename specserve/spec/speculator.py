@@ -112,6 +112,7 @@ class Speculator:
         self.grammars = GrammarStates()
         self.planner = Planner(self.proposers, registry, self.policy, self.states, ledger,
                                settings, max_model_len)
+        self.planner.forced_draft = self._forced_draft
         # the proposer that reads the target's hidden states, when one is loaded
         self._features = next((n for n in self.proposers
                                if n in registry.specs and registry.specs[n].needs_target_features),
@@ -284,6 +285,10 @@ class Speculator:
                 results[sid] = Verified(res.token_ids[j], res.num_accepted[j], res.logprobs[j],
                                         len(drafts.tokens.get(sid, ())))
         return results
+
+    def _forced_draft(self, seq: Sequence, k: int) -> list[int]:
+        grammar = self.grammars.get(seq.seq_id)
+        return [] if grammar is None else grammar.forced_tokens(k)
 
     def grammar_done(self, seq: Sequence) -> bool:
         """Its grammar has consumed its end (a constrained answer is complete)."""
