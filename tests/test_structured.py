@@ -145,10 +145,10 @@ def test_grammar_state_masks_rows_and_rolls_back(engines):
 
 def test_sampled_constrained_outputs_match(engines):
     engine = engines
-    for spec in _specs():
-        params = SamplingParams(max_tokens=60, temperature=1.0, seed=3, structured=spec)
+    for spec in _specs()[::2] + _specs()[3:]:  # schema, regex, choice
+        params = SamplingParams(max_tokens=48, temperature=1.0, seed=3, structured=spec)
         for method in ("off", "ngram", "draft"):
-            for out in engine.generate(PROMPTS, params, SpeculativeParams(method=method)):
+            for out in engine.generate(PROMPTS[:2], params, SpeculativeParams(method=method)):
                 if out.finish_reason == "stop":
                     _check(spec, out.text, out.finish_reason)
                 else:  # a sampled string may run long; what there is must still be a prefix
