@@ -42,7 +42,7 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 NumChoices = Annotated[int, Meta(ge=1, le=MAX_N)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 TimeoutSeconds = Annotated[float, Meta(gt=0.0, le=1e6)]
-Removed = Annotated[Any, Meta(extra_json_schema={"not": {}, "deprecated": True})]
+Removed = Annotated[Any, Meta(extra_json_schema={"type": "null", "deprecated": True})]
 
 # ---- requests ---------------------------------------------------------------------------
 
@@ -79,7 +79,7 @@ class _Common(msgspec.Struct, kw_only=True):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's removed names: decoded only to answer them with a 400 naming the replacement
-    # (the schema says so: any value but absence is invalid)
+    # (the schema says so: only null is valid)
     guided_json: Removed = None
     guided_regex: Removed = None
     guided_choice: Removed = None
