@@ -44,6 +44,20 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.T
     return logits
 
 
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Sets the logits of tokens a grammar forbids to -inf, in place (and returns them).
+
+    ``logits`` [N, V]; ``bitmask`` [N, ceil(V / 32)] int32, bit i of word w allows token
+    32 w + i (xgrammar's layout; a row of all ones, -1, allows everything)."""
+    vocab = logits.shape[-1]
+    bits = _BITS.to(bitmask.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]  # [N, V]
+    return logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+
+
 # top-k / top-p look at the best 256 tokens first (torch.topk on a 49k vocabulary: ~0.07 ms, a
 # full sort ~3 ms, more than a decode step), then the best 4096 (~0.5 ms), for rows whose nucleus
 # did not end inside the smaller set; only a flatter row still is sorted whole.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.core.errors import InvalidRequestError
+from specserve.core.structured import StructuredSpec
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample as greedy (vLLM uses the same bound)
 MAX_REPETITION_PENALTY = 100.0  # vLLM asks only > 0; a finite bound keeps logits finite
@@ -27,6 +28,8 @@ class SamplingParams:
     for every token by its count among the generated tokens (OpenAI's definition);
     ``repetition_penalty`` (> 0, 1 = off) divides the positive logits and multiplies the
     negative ones of every token seen in the prompt or the output (vLLM's definition).
+    ``structured``: the output must match it (a JSON schema, a regex, ...); the grammar then
+    decides where the answer ends, so it does not combine with ``min_tokens``.
     """
 
     max_tokens: int = 16
@@ -44,6 +47,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +92,11 @@ class SamplingParams:
                 f"max_tokens {self.max_tokens})",
                 param="min_tokens",
             )
+        if self.structured is not None and self.min_tokens:
+            raise InvalidRequestError(
+                "min_tokens cannot be combined with a structured output (response_format, "
+                "structured_outputs): the grammar decides where the answer ends",
+                param="min_tokens")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise InvalidRequestError("stop must be non-empty strings", param="stop")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

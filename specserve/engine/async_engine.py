@@ -50,6 +50,7 @@ from typing import Any
 
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams
+from specserve.core.structured import StructuredSpec
 from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.openmp_team import release_openmp_team
 from specserve.engine.outputs import OutputMerger, RequestOutput
@@ -124,6 +125,10 @@ class AsyncEngine:
         self._mail_lock = threading.Lock()
         self._stopped = asyncio.Event()  # set on the loop once the thread has ended
         self._text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-text")
+        # structured outputs' grammars compile here, never on the engine thread (a large schema
+        # takes tens of ms; the tokenizer's first set-up ~0.3 s)
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1,
+                                                thread_name_prefix="specserve-grammar")
         if engine.tokenizer is not None:
             # The first encode may configure the tokenizer (truncation/padding state); do it
             # here, before any other thread uses it, so later encodes and decodes only read it.
@@ -184,6 +189,7 @@ class AsyncEngine:
             self._commands.put(_STOP)
             await asyncio.to_thread(thread.join)
         self._text_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests (event loop) ----------------------------------------------------------
 
@@ -226,6 +232,8 @@ class AsyncEngine:
                 encoded[id(prompt)] = await self.encode(prompt)
         requests = [(rid, encoded[id(prompt)], params, spec)
                     for rid, prompt, params, spec in requests]
+        for spec_ in {p.structured for _, _, p, _ in requests if p.structured is not None}:
+            await self.compile_grammar(spec_)  # raises InvalidRequestError for a bad one
         if not self.ready:
             raise EngineUnavailableError(f"the engine is not ready ({self.state})")
         if self.num_unfinished + len(requests) > self.capacity:
@@ -273,6 +281,12 @@ class AsyncEngine:
             return list(prompt)
         return await asyncio.get_running_loop().run_in_executor(
             self._text_pool, self.engine.encode, prompt)
+
+    async def compile_grammar(self, spec: StructuredSpec) -> None:
+        """Compiles a structured output's grammar off the engine thread (into the engine's
+        cache, where ``LLMEngine.add_request`` finds it)."""
+        await asyncio.get_running_loop().run_in_executor(
+            self._grammar_pool, self.engine.grammar_compiler.compile, spec)
 
     async def render_chat(self, messages: list[dict]) -> str:
         """The chat template, rendered on the text worker (templates are arbitrary Jinja)."""

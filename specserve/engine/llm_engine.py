@@ -33,6 +33,8 @@ from specserve.engine.outputs import OutputMerger, RequestOutput
 from specserve.engine.resolve import ModelFiles, resolve_config
 from specserve.engine.tokenizer import IncrementalDetokenizer, apply_chat_template
 from specserve.engine.tracing import NullTracer, Tracer
+from specserve.spec.grammar import GrammarState
+from specserve.spec.grammar_compiler import GrammarCompiler
 from specserve.spec.speculator import Drafts, Verified
 from specserve.target.layout import Chunk, build_layout
 
@@ -70,6 +72,9 @@ class LLMEngine:
             parts.draft.traced.register_forward_pre_hook(
                 lambda *_: self.tracer.begin("draft_forward"))
             parts.draft.traced.register_forward_hook(lambda *_: self.tracer.end())
+        # structured outputs: compiled grammars for this tokenizer, cached by schema text
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                sorted(self.eos_token_ids))
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         log.info("engine ready: %s attention_form=%s; %s", self.config.summary(),
@@ -112,6 +117,9 @@ class LLMEngine:
                 return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
+    def _encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def render_chat(self, messages: list[dict]) -> str:
         with self.tracer.span("chat_template"):
             return apply_chat_template(self.tokenizer, messages)
@@ -141,6 +149,10 @@ class LLMEngine:
             )
         params.validate()
         params.check_vocab(vocab)
+        grammar = None
+        if params.structured is not None:  # the async engine compiled it already: a cache hit
+            compiled = self.grammar_compiler.compile(params.structured)
+            grammar = GrammarState.start(compiled, self.model_config.vocab_size, self._encode_text)
         seq = Sequence(next(self._seq_ids), request_id, ids, params)
         detok = None
         if self.tokenizer is not None:
@@ -148,7 +160,7 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
-        method = self.speculator.add(seq, speculative)  # raises for a method it cannot run
+        method = self.speculator.add(seq, speculative, grammar)  # raises for a bad method
         state = RequestState(seq, detok, self.eos_token_ids, self.config.max_model_len, generator,
                              LogitsState.of(params, ids, vocab, self.device))
         state.timings.speculative_method = method
@@ -246,6 +258,8 @@ class LLMEngine:
             # and never past the last token, which the next step feeds.
             seq.num_computed_tokens = min(n_before + verified.num_accepted, seq.num_tokens - 1)
             self.speculator.commit(seq, verified)
+            if not seq.is_finished and self.speculator.grammar_done(seq):
+                state.finish_structured()  # the grammar is complete (its EOS under ignore_eos)
             if seq.is_finished:
                 # Its full blocks enter the prefix cache before they are freed: a request that
                 # ends on its first step (max_tokens=1) would otherwise cache none of its prompt.

@@ -110,6 +110,10 @@ class RequestState:
                 len(self.unsent), bool(self.new_from_draft and self.new_from_draft[-1])
             )
 
+    def finish_structured(self) -> None:
+        """A structured output's grammar is complete: the answer ends here."""
+        self._finish(FinishReason.STOP, None)
+
     def abort(self) -> None:
         self._finish(FinishReason.ABORT, None)
 

@@ -34,6 +34,13 @@ from specserve.core.sampling_params import (
 )
 from specserve.engine.outputs import RequestOutput, RequestTimings
 from specserve.server.refusals import check_refused
+from specserve.server.structured_fields import (
+    REMOVED,
+    ResponseFormat,
+    StructuredOutputs,
+    check_removed,
+    structured_spec,
+)
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -61,6 +68,7 @@ LogitBias = Annotated[dict[TokenIdKey, Bias], Meta(
     description="token id -> a value in [-100, 100] added to its logit before sampling "
                 "(-100 bans the token, 100 forces it)")]
 Refused = Annotated[Any, Meta(description="not implemented: refused with 400 unless null")]
+Removed = Annotated[Any, Meta(extra_json_schema={"type": "null", "deprecated": True})]
 
 # ---- requests ---------------------------------------------------------------------------
 
@@ -104,14 +112,17 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     service_tier: str | None = None
     prompt_cache_key: str | None = None  # prefix caching needs no key here
     safety_identifier: str | None = None
-    # Refused (see refusals.py): vLLM's structured-output extensions
-    structured_outputs: Refused = None
-    guided_json: Refused = None
-    guided_regex: Refused = None
-    guided_choice: Refused = None
-    guided_grammar: Refused = None
-    guided_decoding_backend: Refused = None
-    guided_whitespace_pattern: Refused = None
+    # structured outputs (structured_fields.py): OpenAI's and vLLM's current fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's removed names: decoded only to answer them with a 400 naming the replacement
+    # (the schema says so: only null is valid)
+    guided_json: Removed = None
+    guided_regex: Removed = None
+    guided_choice: Removed = None
+    guided_grammar: Removed = None
+    guided_decoding_backend: Removed = None
+    guided_whitespace_pattern: Removed = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -160,7 +171,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     # Refused (see refusals.py) unless null or the value given there
-    response_format: Refused = None
     tools: Refused = None
     tool_choice: Refused = None
     parallel_tool_calls: Refused = None
@@ -231,6 +241,7 @@ def validation_message(message: str, param: str | None) -> str:
 
 
 def _sampling(req: _Common, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+    check_removed({name: getattr(req, name) for name in REMOVED})
     stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
     top_k = req.top_k or 0
     if top_k == -1:
@@ -252,6 +263,7 @@ def _sampling(req: _Common, max_tokens: int, logprobs: int | None, index: int) -
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        structured=structured_spec(req.response_format, req.structured_outputs),
     )
 
 

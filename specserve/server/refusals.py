@@ -34,16 +34,9 @@ class Refusal:
 
 
 _TOOLS = "tool calling is not implemented yet; omit it, or describe the tools in the prompt"
-_STRUCTURED = ("structured outputs (JSON schema, regex, choice, grammar) are not implemented "
-               "yet; omit it and validate the text yourself")
 
 REFUSED: dict[str, Refusal] = {
     # chat completions
-    "response_format": Refusal(
-        "structured outputs are not implemented yet; omit it, or send {\"type\": \"text\"}",
-        lambda v: v == {"type": "text"},
-        {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
-         "additionalProperties": False}),
     "tools": Refusal(_TOOLS),
     "tool_choice": Refusal(f"{_TOOLS}; \"none\" is accepted", lambda v: v == "none",
                            {"const": "none"}),
@@ -68,14 +61,6 @@ REFUSED: dict[str, Refusal] = {
                        lambda v: v == 1, {"const": 1}),
     "echo": Refusal("the server does not echo prompts; omit it or send false",
                     lambda v: v is False, {"const": False}),
-    # vLLM's structured-output extensions (current and earlier names)
-    "structured_outputs": Refusal(_STRUCTURED),
-    "guided_json": Refusal(_STRUCTURED),
-    "guided_regex": Refusal(_STRUCTURED),
-    "guided_choice": Refusal(_STRUCTURED),
-    "guided_grammar": Refusal(_STRUCTURED),
-    "guided_decoding_backend": Refusal(_STRUCTURED),
-    "guided_whitespace_pattern": Refusal(_STRUCTURED),
 }
 
 

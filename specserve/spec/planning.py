@@ -14,6 +14,7 @@ to 0 when nothing pays.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from specserve.core.config import EngineConfig
 from specserve.core.draft_kv import DraftKVLedger
@@ -68,6 +69,9 @@ class Planner:
         self.early_seconds = 0.0  # this step's model-free drafting, counted as draft time
         self._planned: list[SpecState] = []  # states this step wrote: cleared at the next
         self._model_proposers: list[str] = []
+        # seq -> (k -> the tokens its grammar forces next): a constrained sequence whose
+        # model-free proposer finds nothing drafts those instead (the speculator sets it)
+        self.forced_draft: Callable[[Sequence, int], list[int]] | None = None
 
     def plan(self, running: list[Sequence]) -> None:
         for state in self._planned:
@@ -144,10 +148,15 @@ class Planner:
         proposal = proposer.propose([req])
         self.policy.record_proposer(proposer.name, time.perf_counter() - t0)
         tokens = proposal.draft_token_ids[0]
-        state.early = tokens
-        state.hints = (proposer.name, DraftHints(
+        hints = DraftHints(
             proposal.match_lengths[0] if proposal.match_lengths is not None else -1,
-            tuple(proposal.confidence[0]) if proposal.confidence is not None else ()))
+            tuple(proposal.confidence[0]) if proposal.confidence is not None else ())
+        if not tokens and self.forced_draft is not None:
+            tokens = self.forced_draft(seq, k)
+            if tokens:  # no match to speak of: priced by the sequence's acceptance alone
+                hints = DraftHints()
+        state.early = tokens
+        state.hints = (proposer.name, hints)
         return tokens
 
     def _expected(self, seq: Sequence, state: SpecState, method: str, k: int

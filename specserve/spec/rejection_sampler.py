@@ -61,6 +61,12 @@ sampled rows alike, exactly as the plain sampler masks its one position. Logprob
 the plain sampler computes them (log_softmax of the target logits at the emitted token's position,
 after that masking and before temperature/top-k/top-p), so speculative and plain decoding report
 identical numbers.
+
+Grammar masks: a row may carry ``grammar_mask`` [k_b + 1, W], one token bitmask per position
+(position j: what the grammar allows after drafts 0..j-1, see specserve/spec/grammar.py). The
+forbidden tokens' logits become -inf before anything else reads them, so the greedy argmax, the
+accept test, the residual, the bonus draw and the logprobs all see the masked distribution,
+exactly as plain constrained decoding does at each of those positions.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ from specserve.core.logits_processors import adjust_logits
 from specserve.core.sampling import (
     SampleRequest,
     TokenLogprob,
+    apply_token_bitmask,
     compute_logprobs,
     draw,
     process_logits,
@@ -85,6 +92,7 @@ class SpecDecodeRow:
 
     request: SampleRequest  # num_output_tokens counts the tokens emitted before this step
     draft_token_ids: list[int]  # k >= 0 drafts; k = 0 is plain decoding (one token comes out)
+    grammar_mask: torch.Tensor | None = None  # [k + 1, W] int32 token bitmask per position
 
 
 @dataclass
@@ -126,6 +134,8 @@ def rejection_sample(
         )
     if num_rows == 0:
         return SpecDecodeResult([], [], [])
+    if any(r.grammar_mask is not None for r in rows):
+        target_logits = _mask_grammar(target_logits.float().clone(), rows, ks)
     if all(_plain_greedy(r) for r in rows):
         return _greedy_fast(target_logits, rows)
     device = target_logits.device
@@ -219,6 +229,22 @@ def _mask_min_tokens(
             logits[start : start + n, req.banned_until_min_tokens] = float("-inf")
         start += k + 1
     return logits
+
+
+def _mask_grammar(
+    logits: torch.Tensor, rows: list[SpecDecodeRow], ks: list[int]
+) -> torch.Tensor:
+    """Masks each constrained row's positions with its grammar's bitmasks (one tensor op for
+    the whole batch; unconstrained positions get an all-allowed row)."""
+    width = next(r.grammar_mask for r in rows if r.grammar_mask is not None).shape[1]
+    full = torch.full((logits.shape[0], width), -1, dtype=torch.int32)  # [T, W]
+    start = 0
+    for r, k in zip(rows, ks):
+        if r.grammar_mask is not None:
+            assert r.grammar_mask.shape[0] == k + 1, "one grammar mask row per position"
+            full[start : start + k + 1] = r.grammar_mask
+        start += k + 1
+    return apply_token_bitmask(logits, full)
 
 
 def _sample_rows(

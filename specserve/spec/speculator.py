@@ -48,6 +48,7 @@ from specserve.core.sequence import FinishReason, Sequence
 from specserve.draft.base import FinishedSequence, PrefillChunk, Proposer
 from specserve.draft.loading import DRAFT_MODEL, LoadedDraft
 from specserve.draft.registry import AUTO, OFF, REGISTRY, ProposerContext, ProposerRegistry
+from specserve.spec.grammar import GrammarState, GrammarStates
 from specserve.spec.planning import Planner, proposal_request, stats_key
 from specserve.spec.policy import SpeculationPolicy
 from specserve.spec.rejection_sampler import SpecDecodeResult, SpecDecodeRow, rejection_sample
@@ -70,6 +71,8 @@ class Drafts:
     tokens: dict[int, list[int]] = field(default_factory=dict)
     prob_groups: list[tuple[list[int], torch.Tensor | None]] = field(default_factory=list)
     draft_seconds: float = 0.0
+    # constrained sequences: one grammar token bitmask per verify row, [k + 1, W] int32
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -106,8 +109,10 @@ class Speculator:
             adaptive=settings.adaptive_speculation, projection_seconds=projection_seconds
         )
         self.states: dict[int, SpecState] = {}
+        self.grammars = GrammarStates()
         self.planner = Planner(self.proposers, registry, self.policy, self.states, ledger,
                                settings, max_model_len)
+        self.planner.forced_draft = self._forced_draft
         # the proposer that reads the target's hidden states, when one is loaded
         self._features = next((n for n in self.proposers
                                if n in registry.specs and registry.specs[n].needs_target_features),
@@ -131,9 +136,11 @@ class Speculator:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def add(self, seq: Sequence, speculative: SpeculativeParams | None) -> str:
-        """Registers a new request's speculation; returns its method ("off" when it does not
-        speculate). Raises ``InvalidRequestError`` naming ``speculative.method``."""
+    def add(self, seq: Sequence, speculative: SpeculativeParams | None,
+            grammar: GrammarState | None = None) -> str:
+        """Registers a new request's speculation (and its grammar, when its output is
+        constrained); returns its method ("off" when it does not speculate). Raises
+        ``InvalidRequestError`` naming ``speculative.method``."""
         method = (speculative.method if speculative else None) or self.default_method
         methods = self.registry.methods()
         if method not in methods:
@@ -150,12 +157,15 @@ class Speculator:
         if method == OFF or k <= 0:
             method, k = OFF, 0
         self.states[seq.seq_id] = SpecState(method, k, speculative.tenant if speculative else "")
+        if grammar is not None:
+            self.grammars.states[seq.seq_id] = grammar
         if self._reads_features(method):
             self.ledger.require_draft_kv_hits(seq.seq_id)
         return method
 
     def forget(self, seq: Sequence) -> None:
         state = self.states.pop(seq.seq_id)
+        self.grammars.forget(seq.seq_id)
         self.policy.forget(seq.seq_id)
         self.ledger.forget_draft_kv(seq.seq_id)
         done = FinishedSequence(
@@ -182,7 +192,41 @@ class Speculator:
         with span("draft_prefill"):
             self._draft_prefill(batch)
         with span("propose"):
-            return self._propose(batch, rows)
+            drafts = self._propose(batch, rows)
+        if self.grammars:
+            with span("grammar"):
+                self._constrain(batch, drafts)
+        return drafts
+
+    def _constrain(self, batch: ScheduledBatch, drafts: Drafts) -> None:
+        """Each constrained sampling sequence: its drafts cut at the first token its grammar
+        rejects, and one mask per verify row (grammar.py); a model proposer's probability rows
+        of the cut drafts are dropped with them."""
+        cut: dict[int, tuple[int, int]] = {}  # seq id -> (drafts kept, proposed), where cut
+        for s in batch.scheduled:
+            sid = s.seq.seq_id
+            grammar = self.grammars.get(sid)
+            if grammar is None or not s.samples:
+                continue
+            proposed = drafts.tokens.get(sid, [])
+            kept, drafts.masks[sid] = grammar.prepare(proposed)
+            if kept < len(proposed):
+                drafts.tokens[sid] = proposed[:kept]
+                cut[sid] = (kept, len(proposed))
+        if not cut:
+            return
+        groups = []
+        for ids, probs in drafts.prob_groups:
+            if probs is not None and any(sid in cut for sid in ids):
+                keep: list[int] = []  # rows of probs [sum k, V] (k as proposed) that stay
+                row = 0
+                for sid in ids:
+                    n = len(drafts.tokens.get(sid, []))
+                    keep.extend(range(row, row + n))
+                    row += cut[sid][1] if sid in cut else n
+                probs = probs[torch.tensor(keep, dtype=torch.long, device=probs.device)]
+            groups.append((ids, probs))
+        drafts.prob_groups = groups
 
     def features_wanted(self, batch: ScheduledBatch, layout: BatchLayout
                         ) -> FeatureCapture | None:
@@ -232,7 +276,8 @@ class Speculator:
                 continue
             res: SpecDecodeResult = rejection_sample(
                 torch.cat([per_seq[sid] for sid in ids]),
-                [SpecDecodeRow(rows[sid], drafts.tokens.get(sid, [])) for sid in ids],
+                [SpecDecodeRow(rows[sid], drafts.tokens.get(sid, []), drafts.masks.get(sid))
+                 for sid in ids],
                 probs,
                 self.generator,
             )
@@ -241,6 +286,15 @@ class Speculator:
                                         len(drafts.tokens.get(sid, ())))
         return results
 
+    def _forced_draft(self, seq: Sequence, k: int) -> list[int]:
+        grammar = self.grammars.get(seq.seq_id)
+        return [] if grammar is None else grammar.forced_tokens(k)
+
+    def grammar_done(self, seq: Sequence) -> bool:
+        """Its grammar has consumed its end (a constrained answer is complete)."""
+        grammar = self.grammars.get(seq.seq_id)
+        return grammar is not None and grammar.terminated
+
     def record_step(self, num_tokens: int, seconds: float) -> None:
         """The policy prices a step by the tokens fed: the forward plus scoring its rows."""
         self.policy.record_target(num_tokens, seconds)
@@ -248,6 +302,9 @@ class Speculator:
     def commit(self, seq: Sequence, verified: Verified) -> None:
         """After the sequence's tokens are appended (before its KV blocks are committed)."""
         state = self.states[seq.seq_id]
+        grammar = self.grammars.get(seq.seq_id)
+        if grammar is not None:
+            grammar.commit(verified.token_ids, verified.num_accepted)
         if verified.num_drafts:
             key = stats_key(seq, state.step_method)
             self.policy.record_acceptance(seq.seq_id, key, verified.num_drafts,
