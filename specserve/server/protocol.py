@@ -49,6 +49,24 @@ class SpeculativeOptions(msgspec.Struct):
     num_tokens: Annotated[int, Meta(ge=0, le=16)] | None = None  # None keeps the server's k_max
 
 
+class TextPart(msgspec.Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class Prediction(msgspec.Struct):
+    """OpenAI's Predicted Outputs: the text the client expects back (the file it edits). Drafts
+    come from it first; the answer is the model's either way (exact speculation)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class _Common(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat (OpenAI + vLLM-style extensions)."""
 
@@ -66,6 +84,7 @@ class _Common(msgspec.Struct, kw_only=True):
     min_tokens: NonNegativeInt = 0
     skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
+    prediction: Prediction | None = None  # Predicted Outputs (see Prediction)
     user: str | None = None
     timeout: TimeoutSeconds | None = None  # seconds from arrival; None: --request-timeout
 
@@ -75,10 +94,6 @@ class CompletionRequest(_Common, kw_only=True):
     max_tokens: PositiveInt | None = 16
     logprobs: NumLogprobs | None = None
     echo: bool = False
-
-
-class TextPart(msgspec.Struct, tag_field="type", tag="text"):
-    text: str
 
 
 class ImageUrl(msgspec.Struct):
@@ -157,9 +172,11 @@ def _sampling(req: _Common, max_tokens: int, logprobs: int | None, index: int) -
 
 
 def speculative_params(req: _Common) -> SpeculativeParams | None:
+    prediction = None if req.prediction is None else req.prediction.text
     if req.speculative is None:
-        return None
-    return SpeculativeParams(req.speculative.method, req.speculative.num_tokens)
+        return None if prediction is None else SpeculativeParams(prediction=prediction)
+    return SpeculativeParams(req.speculative.method, req.speculative.num_tokens,
+                             prediction=prediction)
 
 
 def _check_n(req: _Common) -> None:
@@ -233,10 +250,20 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 # ---- responses --------------------------------------------------------------------------
 
 
-class UsageInfo(msgspec.Struct):
+class CompletionTokensDetails(msgspec.Struct):
+    """Sent for a request with a ``prediction``: its tokens that appear in the completion
+    (the longest common subsequence of the two token lists) and the rest
+    (specserve/engine/prediction_usage.py)."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
+class UsageInfo(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -362,7 +389,12 @@ def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
     runs its own sequence, so they are all counted, as vLLM does)."""
     prompt = sum(o.num_prompt_tokens for o in outputs)
     completion = sum(o.num_output_tokens for o in outputs)
-    return UsageInfo(prompt, completion, prompt + completion)
+    predicted = [o.prediction_usage for o in outputs if o.prediction_usage is not None]
+    details = None
+    if predicted:
+        details = CompletionTokensDetails(sum(p.accepted for p in predicted),
+                                          sum(p.rejected for p in predicted))
+    return UsageInfo(prompt, completion, prompt + completion, details)
 
 
 def timings_of(outputs: list[RequestOutput]) -> dict:

@@ -45,7 +45,7 @@ def proposal_request(seq: Sequence, state: SpecState, k: int, kv_computed: int,
     return ProposalRequest(
         seq.seq_id, seq.token_ids, k, num_prompt_tokens=seq.num_prompt_tokens,
         tenant=state.tenant, block_table=seq.block_table, kv_computed=kv_computed,
-        sampling=sampling,
+        sampling=sampling, prediction=state.prediction,
     )
 
 
@@ -65,6 +65,7 @@ class Planner:
         self.draft_budget = settings.max_num_batched_tokens
         candidate = registry.auto_candidate()
         self.auto_candidate = None if candidate is None else candidate.name
+        self.prediction_method = registry.prediction_method()
         self.early_seconds = 0.0  # this step's model-free drafting, counted as draft time
         self._planned: list[SpecState] = []  # states this step wrote: cleared at the next
         self._model_proposers: list[str] = []
@@ -163,7 +164,17 @@ class Planner:
         return state.expected[key]
 
     def _pick(self, seq: Sequence, state: SpecState, k_max: int) -> tuple[str, int]:
-        """(method, most drafts worth reserving) for this step."""
+        """(method, most drafts worth reserving) for this step. A request with a predicted
+        output drafts from it while it has something to offer; else from its own method (auto:
+        auto's choice), at that method's k_max."""
+        predicted = self.prediction_method
+        if state.prediction is not None and predicted in self.proposers:
+            n = len(self.cheap_draft(self.proposers[predicted], seq, k_max))
+            if n or state.method == predicted:
+                return predicted, n
+            k_max = min(k_max, state.base_k)
+            if k_max <= 0:
+                return OFF, 0
         if state.method != AUTO:
             proposer = self.proposers[state.method]
             if proposer.uses_model:
