@@ -281,3 +281,41 @@ def test_sampled_distribution_with_a_prediction_equals_target(models):
     assert drafted > counts.sum() / 2 and accepted > 0
     chi2, bound = chi_square(counts, expected)
     assert chi2 < bound, (chi2, bound)
+
+
+CODE = '''def first_repeats(items):
+    seen = set()
+    repeats = []
+    for item in items:
+        if item in seen and item not in repeats:
+            repeats.append(item)
+        seen.add(item)
+    return repeats
+'''
+
+
+@pytest.mark.slow
+def test_default_model_code_edit_with_a_prediction_equals_plain():
+    """The built-in model (its default quantized path, where speculation is bit-exact) asked
+    for a code edit, the file with one change as the prediction: the answer is plain
+    decoding's, drafts from the prediction are accepted, and the counts are the LCS."""
+    from specserve.core.config import EngineConfig
+    from specserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(kv_cache_memory=256 << 20, max_model_len=2048,
+                                    adaptive_speculation=False))
+    ask = ("Rename `first_repeats` to `find_repeats` in this code. Return the whole code and "
+           f"nothing else.\n\n{CODE}")
+    prompt = engine.render_chat([{"role": "user", "content": ask}])
+    prediction = CODE.replace("def first_repeats", "def find_repeats")  # the file, one change
+    params = SamplingParams(max_tokens=120, temperature=0.0)
+    (plain,) = engine.generate([prompt], params, SpeculativeParams(method="off"))
+    for method in (None, "prediction"):
+        (out,) = engine.generate([prompt], params,
+                                 SpeculativeParams(method=method, prediction=prediction))
+        assert out.token_ids == plain.token_ids and out.text == plain.text
+        assert out.timings.num_accepted > 0
+        pred_ids = engine.encode(prediction)
+        want = reference_lcs(pred_ids, out.token_ids)
+        assert out.prediction_usage == PredictionUsage(want, len(pred_ids) - want)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
