@@ -150,6 +150,8 @@ class Speculator:
         if method == OFF or k <= 0:
             method, k = OFF, 0
         prediction = self._prediction(method, speculative)
+        if method == self.registry.prediction_method() and prediction is None:
+            method, k = OFF, 0  # the server's default method, and this request sent none
         base_k = k
         if prediction is not None and (speculative is None or speculative.num_tokens is None):
             # a prediction drafts longer than the method alone would (its own k_max)
@@ -166,7 +168,7 @@ class Speculator:
         speculate). The engine has tokenized the text already."""
         name = self.registry.prediction_method()
         prediction = speculative.prediction if speculative else None
-        if method == name and prediction is None:
+        if prediction is None and speculative is not None and speculative.method == name:
             raise InvalidRequestError(f"speculative.method {name!r} drafts from the request's "
                                       "prediction: send one (prediction: {\"type\": "
                                       "\"content\", \"content\": ...})",
