@@ -51,7 +51,6 @@ from benchmarks.report import (  # noqa: E402
     run_info,
     write_json,
 )
-from tools import checkout as checkout_tool  # noqa: E402
 
 HEADING = "## Predicted Outputs: code edits with the file as the prediction"
 MODES = ("plain", "suffix", "prediction")
@@ -197,17 +196,6 @@ def check_same_text(runs, widths: list[int]) -> list[str]:
     return failures
 
 
-class ThisTreeServer(LaunchedServer):
-    """``specserve serve`` of this checkout's code (tools/checkout.py), whichever checkout the
-    environment has installed."""
-
-    def __init__(self, flags: list[str], log_path: Path, timeout: float) -> None:
-        super().__init__(flags, log_path, timeout)
-        assert self.command[1:3] == ["-m", "specserve"], self.command
-        self.command = ["env", "-u", "PYTHONPATH", "-C", str(ROOT.parent),
-                        *checkout_tool.command(ROOT.parent), *self.command[1:]]
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="the target [default: the built-in model]")
@@ -233,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = out_dir(None, "prediction")
     flags = ["--num-threads", str(args.threads), *shlex.split(args.serve_flags),
              *(["--model", args.model] if args.model else [])]
-    with ThisTreeServer(flags, folder / "serve.log", args.startup_timeout) as server:
+    with LaunchedServer(flags, folder / "serve.log", args.startup_timeout,
+                        root=ROOT.parent) as server:  # this checkout's code
         runs = asyncio.run(measure(args, server.url, tasks))
     widths = [1, args.streams]
     write_json(folder / "runs.json", {f"{w} {m}": [b.tok_s for b in v]
