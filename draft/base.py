@@ -50,6 +50,8 @@ class ProposalRequest:
     block_table: Sequence[int] = ()  # KV block ids (proposers with a KV cache)
     kv_computed: int = 0  # tokens the proposer's KV already holds for this sequence
     sampling: DraftSampling | None = None  # None: greedy
+    # the request's predicted output (OpenAI's ``prediction``) as token ids, None: none sent
+    prediction: Sequence[int] | None = None
 
 
 @dataclass

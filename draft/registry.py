@@ -50,6 +50,10 @@ class ProposerSpec:
     needs_target_features: bool = False
     # a server whose draft is of ``needs_draft``'s kind uses this method when none is asked
     default_with_draft: bool = False
+    # drafts from the request's own predicted output (``ProposalRequest.prediction``): a request
+    # that sends one drafts with it first, its named method (or auto) where the prediction has
+    # nothing to offer (at most one spec sets it)
+    reads_prediction: bool = False
     # its k_max when a request names none (None: num_speculative_tokens)
     k_max: Callable[[EngineConfig], int] | None = None
     help: str = ""
@@ -73,6 +77,8 @@ class ProposerRegistry:
                              f"{spec.needs_draft!r}; known: {', '.join(DRAFT_KINDS)}")
         if spec.auto_candidate and (spec.needs_draft or self.auto_candidate() is not None):
             raise ValueError("auto has one model-free candidate")
+        if spec.reads_prediction and (spec.needs_draft or self.prediction_method() is not None):
+            raise ValueError("one model-free proposer reads the request's prediction")
         self.specs[spec.name] = spec
 
     def names(self) -> list[str]:
@@ -90,6 +96,10 @@ class ProposerRegistry:
 
     def auto_candidate(self) -> ProposerSpec | None:
         return next((s for s in self.specs.values() if s.auto_candidate), None)
+
+    def prediction_method(self) -> str | None:
+        """The proposer that drafts from a request's predicted output, if one is registered."""
+        return next((n for n, s in self.specs.items() if s.reads_prediction), None)
 
     def for_draft(self, kind: str) -> list[str]:
         """The methods that run a draft of this kind."""
@@ -147,6 +157,12 @@ def _eagle(ctx: ProposerContext) -> Proposer:
     return EagleProposer(ctx.draft, ctx.probs_fn, ctx.settings.seed)
 
 
+def _prediction(ctx: ProposerContext) -> Proposer:
+    from specserve.draft.prediction import PredictionProposer
+
+    return PredictionProposer()
+
+
 def default_registry() -> ProposerRegistry:
     reg = ProposerRegistry()
     reg.register(ProposerSpec("draft", _draft, needs_draft=DRAFT_MODEL,
@@ -160,6 +176,11 @@ def default_registry() -> ProposerRegistry:
     reg.register(ProposerSpec("suffix", _suffix, auto_candidate=True,
                               k_max=lambda s: s.suffix_speculative_tokens,
                               help="suffix decoding over the request and earlier outputs"))
+    # A prediction is likely right for long stretches: its drafts get their own k_max.
+    reg.register(ProposerSpec("prediction", _prediction, reads_prediction=True,
+                              k_max=lambda s: s.prediction_speculative_tokens,
+                              help="the request's predicted output (the `prediction` field), "
+                                   "aligned with what was generated so far"))
     return reg
 
 

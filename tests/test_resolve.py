@@ -115,7 +115,8 @@ def test_speculative_method_names_and_drafts():
     assert resolve_speculative_method(None, head, REGISTRY) == "eagle"  # the head implies it
     assert resolve_speculative_method("auto", head, REGISTRY) == "auto"
     assert resolve_speculative_method("ngram", None, REGISTRY) == "ngram"
-    with pytest.raises(ConfigError, match="must be one of draft, eagle, ngram, suffix, auto, off"):
+    with pytest.raises(ConfigError,
+                       match="must be one of draft, eagle, ngram, suffix, prediction, auto, off"):
         resolve_speculative_method("medusa", None, REGISTRY)
     with pytest.raises(ConfigError, match="draft needs --draft-model PATH"):
         resolve_speculative_method("draft", None, REGISTRY)

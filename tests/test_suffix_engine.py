@@ -99,13 +99,13 @@ def test_request_scope_engine_learns_nothing_across_requests(models):
 def test_registry_names_and_unknown_method_errors(models):
     assert {"draft", "ngram", "suffix"} <= set(REGISTRY.names())
     with pytest.raises(UnknownProposerError,
-                       match="known: draft, eagle, ngram, suffix, auto, off"):
+                       match="known: draft, eagle, ngram, suffix, prediction, auto, off"):
         REGISTRY.get("medusa")
     target, _, _ = models
-    with pytest.raises(ConfigError, match="suffix, auto, off"):  # the server's flag
+    with pytest.raises(ConfigError, match="suffix, prediction, auto, off"):  # the server's flag
         make(target, speculative_method="medusa")
     engine = make(target, speculative_method="suffix")  # no draft model loaded
-    assert set(engine.speculator.proposers) == {"ngram", "suffix"}
+    assert set(engine.speculator.proposers) == {"ngram", "suffix", "prediction"}
     with pytest.raises(InvalidRequestError) as err:  # a request's field
         engine.add_request("x", [1, 2, 3], GREEDY, SpeculativeParams(method="medusa"))
     assert err.value.param == "speculative.method" and "suffix" in str(err.value)

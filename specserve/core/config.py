@@ -64,6 +64,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     suffix_speculative_tokens: Annotated[int, _help(
         "k_max of suffix decoding (and auto's suffix drafts): a long match may draft this many "
         "tokens (0-16)", ge=0, le=16)] = 16
+    prediction_speculative_tokens: Annotated[int, _help(
+        "k_max of drafts from a request's predicted output (the `prediction` field): an "
+        "aligned prediction may draft this many tokens (0-16)", ge=0, le=16)] = 16
     suffix_cache_tokens: Annotated[int, _help(
         "suffix decoding: global cache bound, in output tokens over all tenants; the oldest "
         "outputs are evicted first", ge=0)] = 1 << 18

@@ -136,11 +136,16 @@ class SpeculativeParams:
     or num_tokens 0 decodes plainly through the same engine. ``tenant`` is set by the server
     (from the API key), never by the client: suffix decoding drafts only from that tenant's
     earlier outputs. The method's name is checked where the proposers are known: the engine
-    refuses one it cannot run (``InvalidRequestError`` naming ``speculative.method``)."""
+    refuses one it cannot run (``InvalidRequestError`` naming ``speculative.method``).
+
+    ``prediction`` is the request's predicted output (OpenAI's ``prediction`` field): text,
+    tokenized by the engine, or token ids. A request that sends one drafts from it first
+    (specserve/draft/prediction.py), and its usage reports how much of it the answer used."""
 
     method: str | None = None
     num_tokens: int | None = None
     tenant: str = ""
+    prediction: str | list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_tokens is not None and not 0 <= self.num_tokens <= 16:

@@ -45,7 +45,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from specserve.core.errors import InvalidRequestError
@@ -230,7 +230,13 @@ class AsyncEngine:
         for _, prompt, _, _ in requests:
             if id(prompt) not in encoded:
                 encoded[id(prompt)] = await self.encode(prompt)
-        requests = [(rid, encoded[id(prompt)], params, spec)
+        specs: dict[int, SpeculativeParams | None] = {}  # a prediction's text, tokenized too
+        for _, _, _, spec in requests:
+            if id(spec) not in specs:
+                specs[id(spec)] = spec
+                if spec is not None and isinstance(spec.prediction, str):
+                    specs[id(spec)] = replace(spec, prediction=await self.encode(spec.prediction))
+        requests = [(rid, encoded[id(prompt)], params, specs[id(spec)])
                     for rid, prompt, params, spec in requests]
         for spec_ in {p.structured for _, _, p, _ in requests if p.structured is not None}:
             await self.compile_grammar(spec_)  # raises InvalidRequestError for a bad one

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -153,6 +153,7 @@ class LLMEngine:
         if params.structured is not None:  # the async engine compiled it already: a cache hit
             compiled = self.grammar_compiler.compile(params.structured)
             grammar = GrammarState.start(compiled, self.model_config.vocab_size, self._encode_text)
+        speculative, prediction = self._prediction(speculative, len(ids))
         seq = Sequence(next(self._seq_ids), request_id, ids, params)
         detok = None
         if self.tokenizer is not None:
@@ -162,12 +163,34 @@ class LLMEngine:
             generator = torch.Generator().manual_seed(params.seed)
         method = self.speculator.add(seq, speculative, grammar)  # raises for a bad method
         state = RequestState(seq, detok, self.eos_token_ids, self.config.max_model_len, generator,
-                             LogitsState.of(params, ids, vocab, self.device))
+                             LogitsState.of(params, ids, vocab, self.device),
+                             prediction=prediction)
         state.timings.speculative_method = method
         if method != "off":
             state.timings.warning = self.config.speculation_caveat
         self.requests[request_id] = state
         self.scheduler.add(seq)
+
+    def _prediction(self, speculative: SpeculativeParams | None, num_prompt_tokens: int
+                    ) -> tuple[SpeculativeParams | None, list[int] | None]:
+        """(the speculation with its prediction as token ids, those ids); raises
+        ``InvalidRequestError`` naming ``prediction`` for one the context cannot hold."""
+        if speculative is None or speculative.prediction is None:
+            return speculative, None
+        ids = self.encode(speculative.prediction)
+        vocab = self.model_config.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise InvalidRequestError(
+                f"prediction token ids must be in [0, {vocab}) for this model",
+                param="prediction")
+        room = self.config.max_model_len - num_prompt_tokens
+        if len(ids) > room:
+            raise InvalidRequestError(
+                f"prediction is {len(ids)} tokens, but the context window (max-model-len "
+                f"{self.config.max_model_len}) leaves {room} for the answer after the "
+                f"{num_prompt_tokens}-token prompt: shorten the prediction or the prompt, or "
+                "raise --max-model-len", param="prediction")
+        return replace(speculative, prediction=ids), ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancels a request; its KV blocks return to the pool at once. Returns its final output

@@ -17,6 +17,7 @@ from specserve.core.logits_processors import LogitsState
 from specserve.core.sampling import TokenLogprob
 from specserve.core.sequence import FinishReason, Sequence
 from specserve.engine.outputs import RequestOutput, RequestTimings
+from specserve.engine.prediction_usage import PredictionUsage
 from specserve.engine.text_sources import TextSources
 from specserve.engine.tokenizer import IncrementalDetokenizer, find_stop, stream_holdback
 
@@ -44,6 +45,7 @@ class RequestState:
     # per token appended since the last output, and per character of ``unsent``.
     new_from_draft: list[bool] = field(default_factory=list)
     unsent_sources: TextSources = field(default_factory=TextSources)
+    prediction: list[int] | None = None  # its predicted output's token ids (usage counts)
 
     def __post_init__(self) -> None:
         self.holdback = stream_holdback(self.seq.params.stop)
@@ -142,9 +144,12 @@ class RequestState:
             self.timings.ttft_ms = (t.first_token - t.arrival) * 1e3
         if t.first_scheduled is not None:
             self.timings.queue_ms = (t.first_scheduled - t.arrival) * 1e3
+        usage = None
         if finished:
             t.finished = t.finished or time.perf_counter()
             self.timings.e2e_ms = (t.finished - t.arrival) * 1e3
+            if self.prediction is not None:
+                usage = PredictionUsage.of(self.prediction, seq.token_ids[seq.num_prompt_tokens :])
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -158,4 +163,5 @@ class RequestState:
             timings=self.timings,
             new_from_draft=new_from_draft,
             delta_spans=spans,
+            prediction_usage=usage,
         )

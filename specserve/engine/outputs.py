@@ -6,6 +6,7 @@ import io
 from dataclasses import dataclass, field
 
 from specserve.core.sampling import TokenLogprob
+from specserve.engine.prediction_usage import PredictionUsage
 
 
 @dataclass
@@ -72,6 +73,9 @@ class RequestOutput:
     # deltas: merging two outputs concatenates them.
     new_from_draft: list[bool] = field(default_factory=list)
     delta_spans: list[tuple[int, bool]] = field(default_factory=list)
+    # On the finished output of a request that sent a prediction: how much of it the answer
+    # used (specserve/engine/prediction_usage.py); None otherwise.
+    prediction_usage: PredictionUsage | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -118,6 +122,7 @@ class OutputMerger:
         head.num_output_tokens = out.num_output_tokens
         head.finished, head.finish_reason = out.finished, out.finish_reason
         head.stop_reason, head.timings = out.stop_reason, out.timings
+        head.prediction_usage = out.prediction_usage
 
     def take(self) -> RequestOutput | None:
         """The merged output (None if nothing was added); the merger starts empty again."""

@@ -23,7 +23,9 @@ WS_KEY_PROTOCOL = "specserve.bearer."
 
 class PlaygroundInfo(msgspec.Struct):
     model: str
-    methods: list[str]  # every speculative method this server can run, "off" included
+    # every speculative method this server can run for the page's requests, "off" included
+    # (not the one that drafts from a request's prediction: the page sends none)
+    methods: list[str]
     default_method: str
     num_speculative_tokens: int
     max_model_len: int
@@ -40,7 +42,8 @@ async def _info(request: web.Request) -> web.Response:
     spec = engine.speculator
     info = PlaygroundInfo(
         model=server.model_name,
-        methods=[m for m in spec.registry.methods() if spec.available(m)],
+        methods=[m for m in spec.registry.methods()
+                 if spec.available(m) and m != spec.registry.prediction_method()],
         default_method=engine.config.default_speculative_method,
         num_speculative_tokens=engine.config.num_speculative_tokens,
         max_model_len=server.engine.max_model_len,

@@ -83,6 +83,24 @@ class SpeculativeOptions(msgspec.Struct, forbid_unknown_fields=True):
     num_tokens: Annotated[int, Meta(ge=0, le=16)] | None = None  # None keeps the server's k_max
 
 
+class TextPart(msgspec.Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class Prediction(msgspec.Struct):
+    """OpenAI's Predicted Outputs: the text the client expects back (the file it edits). Drafts
+    come from it first; the answer is the model's either way (exact speculation)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by completions and chat (OpenAI + vLLM-style extensions)."""
 
@@ -100,6 +118,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     min_tokens: NonNegativeInt = 0  # a value above max_tokens counts as max_tokens
     skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
+    prediction: Prediction | None = None  # Predicted Outputs (see Prediction)
     timeout: TimeoutSeconds | None = None  # seconds from arrival; None: --request-timeout
     logit_bias: LogitBias | None = None
     presence_penalty: Penalty | None = None
@@ -132,10 +151,6 @@ class CompletionRequest(_Common, kw_only=True):
     echo: bool | None = None  # refused unless false
     best_of: PositiveInt | None = None  # refused unless 1
     suffix: Refused = None
-
-
-class TextPart(msgspec.Struct, tag_field="type", tag="text"):
-    text: str
 
 
 class ImageUrl(msgspec.Struct):
@@ -176,7 +191,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
     parallel_tool_calls: Refused = None
     functions: Refused = None
     function_call: Refused = None
-    prediction: Refused = None
     audio: Refused = None
     modalities: Refused = None
     reasoning_effort: Refused = None
@@ -268,9 +282,11 @@ def _sampling(req: _Common, max_tokens: int, logprobs: int | None, index: int) -
 
 
 def speculative_params(req: _Common) -> SpeculativeParams | None:
+    prediction = None if req.prediction is None else req.prediction.text
     if req.speculative is None:
-        return None
-    return SpeculativeParams(req.speculative.method, req.speculative.num_tokens)
+        return None if prediction is None else SpeculativeParams(prediction=prediction)
+    return SpeculativeParams(req.speculative.method, req.speculative.num_tokens,
+                             prediction=prediction)
 
 
 def _check_n(req: _Common) -> None:
@@ -342,10 +358,20 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 # ---- responses --------------------------------------------------------------------------
 
 
-class UsageInfo(msgspec.Struct):
+class CompletionTokensDetails(msgspec.Struct):
+    """Sent for a request with a ``prediction``: its tokens that appear in the completion
+    (the longest common subsequence of the two token lists) and the rest
+    (specserve/engine/prediction_usage.py)."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
+class UsageInfo(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -475,7 +501,12 @@ def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
     runs its own sequence, so they are all counted, as vLLM does)."""
     prompt = sum(o.num_prompt_tokens for o in outputs)
     completion = sum(o.num_output_tokens for o in outputs)
-    return UsageInfo(prompt, completion, prompt + completion)
+    predicted = [o.prediction_usage for o in outputs if o.prediction_usage is not None]
+    details = None
+    if predicted:
+        details = CompletionTokensDetails(sum(p.accepted for p in predicted),
+                                          sum(p.rejected for p in predicted))
+    return UsageInfo(prompt, completion, prompt + completion, details)
 
 
 def timings_of(outputs: list[RequestOutput]) -> dict:

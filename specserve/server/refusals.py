@@ -45,8 +45,6 @@ REFUSED: dict[str, Refusal] = {
     "functions": Refusal(f"(the deprecated form of tools) {_TOOLS}"),
     "function_call": Refusal(f"(the deprecated form of tool_choice) {_TOOLS}",
                              lambda v: v == "none", {"const": "none"}),
-    "prediction": Refusal("Predicted Outputs are not implemented yet; omit it (the server's own "
-                          "speculation still applies)"),
     "audio": Refusal("the served model reads and writes text only; omit it"),
     "modalities": Refusal("the served model writes text only; send [\"text\"] or omit it",
                           lambda v: v == ["text"],

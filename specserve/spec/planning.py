@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from specserve.core.config import EngineConfig
 from specserve.core.draft_kv import DraftKVLedger
@@ -46,7 +47,7 @@ def proposal_request(seq: Sequence, state: SpecState, k: int, kv_computed: int,
     return ProposalRequest(
         seq.seq_id, seq.token_ids, k, num_prompt_tokens=seq.num_prompt_tokens,
         tenant=state.tenant, block_table=seq.block_table, kv_computed=kv_computed,
-        sampling=sampling,
+        sampling=sampling, prediction=state.prediction,
     )
 
 
@@ -66,6 +67,7 @@ class Planner:
         self.draft_budget = settings.max_num_batched_tokens
         candidate = registry.auto_candidate()
         self.auto_candidate = None if candidate is None else candidate.name
+        self.prediction_method = registry.prediction_method()
         self.early_seconds = 0.0  # this step's model-free drafting, counted as draft time
         self._planned: list[SpecState] = []  # states this step wrote: cleared at the next
         self._model_proposers: list[str] = []
@@ -172,28 +174,53 @@ class Planner:
         return state.expected[key]
 
     def _pick(self, seq: Sequence, state: SpecState, k_max: int) -> tuple[str, int]:
-        """(method, most drafts worth reserving) for this step."""
+        """(method, most drafts worth reserving) for this step. A request with a predicted
+        output drafts from it first. Under a named method, the prediction's draft is taken
+        whenever there is one, else the method's (at its own k_max); under auto, the
+        prediction's draft is one more option, priced like auto's model-free candidate (by
+        what the draft says of itself: an aligned prediction prices high, a short re-found
+        match low) and preferred on a tie."""
+        predicted = self.prediction_method
+        drafted: list[_Drafted] = []
+        if state.prediction is not None and predicted in self.proposers:
+            n = len(self.cheap_draft(self.proposers[predicted], seq, k_max))
+            if state.method == predicted or (n and state.method != AUTO):
+                return predicted, n
+            if n:
+                drafted.append(_Drafted(self._value(seq, state, predicted, n), predicted, n,
+                                        state.early, state.hints))
+            k_max = min(k_max, state.base_k)
+            if k_max <= 0:
+                return (predicted, n) if n else (OFF, 0)
         if state.method != AUTO:
             proposer = self.proposers[state.method]
             if proposer.uses_model:
                 return state.method, k_max
             return state.method, len(self.cheap_draft(proposer, seq, k_max))
-        # auto: the model-free draft first (it costs only its verify rows), then the draft
-        # model if one is loaded; the higher expected goodput wins.
-        options: list[tuple[float, str, int]] = []
+        return self._auto(seq, state, k_max, drafted)
+
+    def _value(self, seq: Sequence, state: SpecState, method: str, n: int) -> float:
+        """Expected tokens per second of this step's model-free draft of ``method``, priced at
+        its best cut (the policy may shorten it), not at its whole length."""
+        cost = self.policy.target_cost
+        expected = self._expected(seq, state, method, n) or (1.0,)
+        host = self.policy.proposer_seconds(method)
+        return max(expected[j] / (max(cost(1 + j), cost(1)) + host)
+                   for j in range(len(expected)))
+
+    def _auto(self, seq: Sequence, state: SpecState, k_max: int, drafted: list[_Drafted]
+              ) -> tuple[str, int]:
+        """auto: the model-free draft first (it costs only its verify rows), then the draft
+        model if one is loaded; the higher expected goodput wins (the first on a tie)."""
+        options: list[tuple[float, str, int]] = [(d.value, d.method, d.n) for d in drafted]
         cost = self.policy.target_cost
         cheap = self.auto_candidate
         models = self._model_proposers
         if cheap is not None and cheap in self.proposers:
             n = len(self.cheap_draft(self.proposers[cheap], seq, k_max))
-            if not models:  # nothing to weigh it against: the batch policy cuts it
+            if not models and not drafted:  # nothing to weigh it against: the policy cuts it
                 return cheap, n
-            expected = self._expected(seq, state, cheap, n)
-            host = self.policy.proposer_seconds(cheap)
-            # priced at its best cut (the policy may shorten it), not at its whole length
-            value = max(expected[j] / (max(cost(1 + j), cost(1)) + host)
-                        for j in range(len(expected)))
-            options.append((value, cheap, n))
+            options.append((self._value(seq, state, cheap, n), cheap, n))
         for model in models:
             k = min(k_max, self.num_speculative_tokens)
             rate = self.policy.acceptance_rate(seq.seq_id, stats_key(seq, model))
@@ -202,4 +229,18 @@ class Planner:
         if not options:
             return OFF, 0
         _, best, k = max(options, key=lambda o: o[0])
+        for d in drafted:  # its draft was made first: it is this step's draft again
+            if d.method == best:
+                state.early, state.hints = d.early, d.hints
         return best, k
+
+
+@dataclass(frozen=True)
+class _Drafted:
+    """A model-free draft made before auto's own candidate (which overwrites the state's)."""
+
+    value: float
+    method: str
+    n: int
+    early: list[int] | None
+    hints: tuple[str, DraftHints] | None

@@ -156,12 +156,36 @@ class Speculator:
             )
         if method == OFF or k <= 0:
             method, k = OFF, 0
-        self.states[seq.seq_id] = SpecState(method, k, speculative.tenant if speculative else "")
+        prediction = self._prediction(method, speculative)
+        if method == self.registry.prediction_method() and prediction is None:
+            method, k = OFF, 0  # the server's default method, and this request sent none
+        base_k = k
+        if prediction is not None and (speculative is None or speculative.num_tokens is None):
+            # a prediction drafts longer than the method alone would (its own k_max)
+            k = max(k, self.registry.k_max(self.registry.prediction_method() or OFF,
+                                           self.settings))
+        self.states[seq.seq_id] = SpecState(method, k, speculative.tenant if speculative else "",
+                                            prediction, base_k)
         if grammar is not None:
             self.grammars.states[seq.seq_id] = grammar
         if self._reads_features(method):
             self.ledger.require_draft_kv_hits(seq.seq_id)
         return method
+
+    def _prediction(self, method: str, speculative: SpeculativeParams | None) -> list[int] | None:
+        """The token ids its proposer drafts from (None: no prediction, or it does not
+        speculate). The engine has tokenized the text already."""
+        name = self.registry.prediction_method()
+        prediction = speculative.prediction if speculative else None
+        if prediction is None and speculative is not None and speculative.method == name:
+            raise InvalidRequestError(f"speculative.method {name!r} drafts from the request's "
+                                      "prediction: send one (prediction: {\"type\": "
+                                      "\"content\", \"content\": ...})",
+                                      param="speculative.method")
+        if prediction is None or method == OFF or name not in self.proposers:
+            return None
+        assert not isinstance(prediction, str), "the engine tokenizes the prediction first"
+        return list(prediction)
 
     def forget(self, seq: Sequence) -> None:
         state = self.states.pop(seq.seq_id)

@@ -22,6 +22,8 @@ class SpecState:
     method: str  # asked: a registry name, "auto" or "off"
     k_max: int  # most draft tokens per step it asked for (0: off)
     tenant: str = ""  # whose cached outputs may feed its drafts (the API key's)
+    prediction: list[int] | None = None  # its predicted output's token ids, drafted first
+    base_k: int = 0  # k_max of its method alone (where the prediction has nothing to draft)
     step_method: str = OFF  # the proposer chosen for the current step (auto picks per step)
     # ---- this step's (cleared by new_step) ----
     early: list[int] | None = None  # the model-free draft made while planning
