@@ -45,7 +45,7 @@ from specserve.engine.async_engine import AsyncEngine, EngineStats
 from specserve.scale.prefix_key import PrefixKeyer
 from specserve.scale.ray_router import PrefixAffinityRouter
 from specserve.scale.scale_config import ScaleConfig
-from specserve.server import protocol as P
+from specserve.server import responses as R
 from specserve.server.api import ApiError, Server
 from specserve.server.metrics import CONTENT_TYPE, gateway_gauges
 from specserve.server.replies import SSE_DONE, SSE_HEADERS, error_body, open_reply, sse_frame
@@ -270,7 +270,7 @@ class Ingress:
         """200 while at least one replica is ready (the body sums the live replicas)."""
         reps = await self.replica_stats()
         ready = [r for r in reps if r.state == "ok"]
-        body = P.HealthResponse(
+        body = R.HealthResponse(
             "ok" if ready else (reps[0].state if reps else "failed"),
             sum(r.stats.kv_blocks_free for r in reps), sum(r.stats.kv_blocks_total for r in reps),
             sum(r.stats.num_running for r in reps), sum(r.stats.num_waiting for r in reps),
@@ -280,8 +280,8 @@ class Ingress:
     async def _models(self) -> Response:
         reps = await self.replica_stats()
         max_len = max((r.max_model_len for r in reps), default=0)
-        card = P.ModelCard(self.model_name, "model", self.started, "specserve", max_len)
-        return _json(_enc.encode(P.ModelList("list", [card])))
+        card = R.ModelCard(self.model_name, "model", self.started, "specserve", max_len)
+        return _json(_enc.encode(R.ModelList("list", [card])))
 
     async def _metrics(self) -> Response:
         registry = CollectorRegistry()
@@ -308,8 +308,8 @@ async def _relay_sse(gen: Any) -> AsyncIterator[bytes]:
             yield SSE_DONE
 
 
-def _replica_error_response(exc: BaseException) -> P.ErrorResponse:
-    return P.ErrorResponse(P.ErrorInfo(
+def _replica_error_response(exc: BaseException) -> R.ErrorResponse:
+    return R.ErrorResponse(R.ErrorInfo(
         f"the replica serving this request failed ({type(exc).__name__}); the request was "
         "not completed: retry it (Ray Serve restarts the replica, live replicas take new "
         "requests)", "service_unavailable", code="replica_failed"))

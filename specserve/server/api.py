@@ -30,6 +30,7 @@ from specserve.engine.async_engine import (
 from specserve.engine.outputs import RequestOutput
 from specserve.engine.request_stream import RequestStream
 from specserve.server import protocol as P
+from specserve.server import responses as R
 from specserve.server.deadlines import Deadline, DeadlineTimer, RequestTimeoutError, before_deadline
 from specserve.server.metrics import ServerMetrics
 from specserve.server.refusals import check_refused
@@ -43,36 +44,36 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str, param: str | None = None,
                  code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.info = status, P.ErrorInfo(message, type_, param, code)
+        self.status, self.info = status, R.ErrorInfo(message, type_, param, code)
 
 
-def error_of(exc: BaseException) -> tuple[int, P.ErrorInfo]:
+def error_of(exc: BaseException) -> tuple[int, R.ErrorInfo]:
     """Maps any exception to (HTTP status, OpenAI error); unknown ones are 500."""
     if isinstance(exc, ApiError):
         return exc.status, exc.info
     if isinstance(exc, InvalidRequestError):
-        return 400, P.ErrorInfo(exc.message, "invalid_request_error", exc.param, exc.code)
+        return 400, R.ErrorInfo(exc.message, "invalid_request_error", exc.param, exc.code)
     if isinstance(exc, msgspec.ValidationError):
         param = P.validation_param(str(exc))
-        return 400, P.ErrorInfo(P.validation_message(str(exc), param), "invalid_request_error",
+        return 400, R.ErrorInfo(P.validation_message(str(exc), param), "invalid_request_error",
                                 param)
     if isinstance(exc, msgspec.DecodeError):
-        return 400, P.ErrorInfo(f"the body is not valid JSON: {exc}", "invalid_request_error",
+        return 400, R.ErrorInfo(f"the body is not valid JSON: {exc}", "invalid_request_error",
                                 code="invalid_json")
     if isinstance(exc, QueueFullError):
-        return 429, P.ErrorInfo(str(exc), "rate_limit_error", code="queue_full")
+        return 429, R.ErrorInfo(str(exc), "rate_limit_error", code="queue_full")
     if isinstance(exc, EngineUnavailableError):
-        return 503, P.ErrorInfo(str(exc), "service_unavailable", code="not_ready")
+        return 503, R.ErrorInfo(str(exc), "service_unavailable", code="not_ready")
     if isinstance(exc, RequestTimeoutError):
-        return 408, P.ErrorInfo(str(exc), "timeout_error", "timeout", "request_timeout")
+        return 408, R.ErrorInfo(str(exc), "timeout_error", "timeout", "request_timeout")
     if isinstance(exc, EngineStepError):
-        return 500, P.ErrorInfo(str(exc), "internal_error", code="engine_step_failed")
+        return 500, R.ErrorInfo(str(exc), "internal_error", code="engine_step_failed")
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return 413, P.ErrorInfo("the request body is too large (see --max-body-bytes)",
+        return 413, R.ErrorInfo("the request body is too large (see --max-body-bytes)",
                                 "invalid_request_error", code="body_too_large")
     if isinstance(exc, web.HTTPException):
-        return exc.status, P.ErrorInfo(exc.reason, "invalid_request_error")
-    return 500, P.ErrorInfo(f"internal error: {exc!r}", "internal_error")
+        return exc.status, R.ErrorInfo(exc.reason, "invalid_request_error")
+    return 500, R.ErrorInfo(f"internal error: {exc!r}", "internal_error")
 
 
 @dataclass

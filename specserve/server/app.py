@@ -30,7 +30,7 @@ from specserve.engine.async_engine import (
     AsyncEngine,
     EngineUnavailableError,
 )
-from specserve.server import protocol as P
+from specserve.server import responses as R
 from specserve.server.api import (  # noqa: F401  (APP_KEY, Job, Server: re-exported for callers)
     APP_KEY,
     TENANT_KEY,
@@ -98,7 +98,7 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
         status, info = error_of(exc)
         if status >= 500 and not isinstance(exc, (EngineUnavailableError, ApiError)):
             log.exception("request_failed", endpoint=endpoint)
-        resp = _json(P.ErrorResponse(info), status)
+        resp = _json(R.ErrorResponse(info), status)
         if isinstance(exc, web.HTTPMethodNotAllowed):  # RFC 9110: a 405 names what is allowed
             resp.headers["Allow"] = exc.headers["Allow"]
         request[LOG_KEY] = {**request.get(LOG_KEY, {}), "error": info.message, "param": info.param}
@@ -149,15 +149,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     s = request.app[APP_KEY]
     config = s.engine.engine.config
-    card = P.ModelCard(s.model_name, "model", s.started, "specserve", s.engine.max_model_len,
+    card = R.ModelCard(s.model_name, "model", s.started, "specserve", s.engine.max_model_len,
                        config.default_speculative_method, config.speculation_caveat)
-    return _json(P.ModelList("list", [card]))
+    return _json(R.ModelList("list", [card]))
 
 
 async def health(request: web.Request) -> web.Response:
     engine = request.app[APP_KEY].engine
     st = engine.stats
-    body = P.HealthResponse(engine.state, st.kv_blocks_free, st.kv_blocks_total,
+    body = R.HealthResponse(engine.state, st.kv_blocks_free, st.kv_blocks_total,
                             st.num_running, st.num_waiting, engine.num_unfinished)
     return _json(body, 200 if engine.ready else 503)
 

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from specserve.server import protocol as P
+from specserve.server import responses as R
 from specserve.server.refusals import REFUSED, field_schema
 
 _REF = "#/components/schemas/{name}"
@@ -126,8 +127,8 @@ def openapi_document(api_key: bool, vocab_size: int, methods: list[str],
     """The document as a dict (``api_key``: whether the /v1 routes need a bearer token;
     ``vocab_size``, ``methods``, ``max_model_len``: the served model's vocabulary, speculation
     methods and context window)."""
-    types = [P.CompletionRequest, P.ChatCompletionRequest, P.CompletionResponse, P.ChatResponse,
-             P.ChatChunk, P.ModelList, P.HealthResponse, P.ErrorResponse]
+    types = [P.CompletionRequest, P.ChatCompletionRequest, R.CompletionResponse, R.ChatResponse,
+             R.ChatChunk, R.ModelList, R.HealthResponse, R.ErrorResponse]
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
     _enforced(components, vocab_size, methods, max_model_len)
     doc: dict[str, Any] = {

@@ -18,7 +18,7 @@ import msgspec
 from specserve.engine.async_engine import EngineStepError, EngineUnavailableError
 from specserve.engine.outputs import OutputMerger, RequestOutput
 from specserve.engine.request_stream import RequestStream
-from specserve.server import protocol as P
+from specserve.server import responses as R
 from specserve.server.api import Job, Server, error_of
 from specserve.server.deadlines import RequestTimeoutError
 
@@ -35,7 +35,7 @@ def sse_frame(obj: object) -> bytes:
 def error_body(exc: BaseException) -> tuple[int, bytes]:
     """(HTTP status, OpenAI error JSON) of any exception."""
     status, info = error_of(exc)
-    return status, _enc.encode(P.ErrorResponse(info))
+    return status, _enc.encode(R.ErrorResponse(info))
 
 
 @dataclass
@@ -51,12 +51,12 @@ class Reply:
     @property
     def log_fields(self) -> dict:
         """The request's one log line (after the reply was read)."""
-        usage = P.usage_of(self.finals)
+        usage = R.usage_of(self.finals)
         return {"request_id": self.job.id,
                 "finish_reasons": [o.finish_reason for o in self.finals],
                 "prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens,
-                "timings": P.timings_of(self.finals)}
+                "timings": R.timings_of(self.finals)}
 
     def close(self) -> None:
         for s in self.streams:
@@ -78,22 +78,22 @@ class Reply:
         try:
             if job.kind == "chat":
                 for i in range(n):
-                    yield sse_frame(_chat_chunk(job, i, P.ChatDelta("assistant", "")))
+                    yield sse_frame(_chat_chunk(job, i, R.ChatDelta("assistant", "")))
             async for i, out in server.outputs(self.streams, job.deadline):
                 lps = (out.logprobs or []) if job.logprobs else []
                 if not (out.text or out.finished or lps):
                     continue
                 reason = out.finish_reason if out.finished else None
-                timings = P.timings_of([out]) if out.finished else None
+                timings = R.timings_of([out]) if out.finished else None
                 if job.kind == "chat":
-                    lp = P.chat_logprobs(lps, server.token_text) if job.logprobs else None
-                    delta = P.ChatDelta(content=out.text or None)
+                    lp = R.chat_logprobs(lps, server.token_text) if job.logprobs else None
+                    delta = R.ChatDelta(content=out.text or None)
                     chunk: object = _chat_chunk(job, i, delta, lp, reason, timings)
                 else:
-                    lp2 = (P.completion_logprobs(lps, server.token_text, sent_chars[i])
+                    lp2 = (R.completion_logprobs(lps, server.token_text, sent_chars[i])
                            if job.logprobs else None)
-                    choice = P.CompletionChoice(i, out.text, lp2, reason)
-                    chunk = P.CompletionResponse(job.id, "text_completion", job.created,
+                    choice = R.CompletionChoice(i, out.text, lp2, reason)
+                    chunk = R.CompletionResponse(job.id, "text_completion", job.created,
                                                  job.model, [choice], timings=timings)
                 sent_chars[i] += len(out.text)
                 yield sse_frame(chunk)
@@ -101,14 +101,14 @@ class Reply:
                     finals[i] = out
             self.finals = [o for o in finals if o is not None]
             if job.include_usage:
-                usage, timings = P.usage_of(self.finals), P.timings_of(self.finals)
+                usage, timings = R.usage_of(self.finals), R.timings_of(self.finals)
                 final: object = (_chat_chunk(job, None, None, usage=usage, timings=timings)
                                  if job.kind == "chat" else
-                                 P.CompletionResponse(job.id, "text_completion", job.created,
+                                 R.CompletionResponse(job.id, "text_completion", job.created,
                                                       job.model, [], usage, timings))
                 yield sse_frame(final)
         except (EngineUnavailableError, EngineStepError, RequestTimeoutError) as exc:
-            yield sse_frame(P.ErrorResponse(error_of(exc)[1]))  # mid-stream: an error event
+            yield sse_frame(R.ErrorResponse(error_of(exc)[1]))  # mid-stream: an error event
         finally:
             self.close()
         yield SSE_DONE
@@ -125,30 +125,30 @@ async def open_reply(server: Server, kind: str, body: bytes, tenant: str = "",
     return Reply(server, job, await server.admit(job, tenant))
 
 
-def _chat_chunk(job: Job, index: int | None, delta: P.ChatDelta | None,
-                lp: P.ChatLogprobs | None = None, reason: str | None = None,
-                timings: dict | None = None, usage: P.UsageInfo | None = None) -> P.ChatChunk:
+def _chat_chunk(job: Job, index: int | None, delta: R.ChatDelta | None,
+                lp: R.ChatLogprobs | None = None, reason: str | None = None,
+                timings: dict | None = None, usage: R.UsageInfo | None = None) -> R.ChatChunk:
     choices = [] if index is None or delta is None else [
-        P.ChatChunkChoice(index, delta, lp, reason)]
-    return P.ChatChunk(job.id, "chat.completion.chunk", job.created, job.model, choices, usage,
+        R.ChatChunkChoice(index, delta, lp, reason)]
+    return R.ChatChunk(job.id, "chat.completion.chunk", job.created, job.model, choices, usage,
                        timings)
 
 
 def _response(server: Server, job: Job, outs: list[RequestOutput]) -> object:
-    usage, timings = P.usage_of(outs), P.timings_of(outs)
+    usage, timings = R.usage_of(outs), R.timings_of(outs)
     text = server.token_text
     if job.kind == "chat":
         chat_choices = [
-            P.ChatChoice(i, P.ChatMessageOut("assistant", o.text),
-                         P.chat_logprobs(o.logprobs or [], text) if job.logprobs else None,
+            R.ChatChoice(i, R.ChatMessageOut("assistant", o.text),
+                         R.chat_logprobs(o.logprobs or [], text) if job.logprobs else None,
                          o.finish_reason)
             for i, o in enumerate(outs)]
-        return P.ChatResponse(job.id, "chat.completion", job.created, job.model, chat_choices,
+        return R.ChatResponse(job.id, "chat.completion", job.created, job.model, chat_choices,
                               usage, timings)
     choices = [
-        P.CompletionChoice(i, o.text,
-                           P.completion_logprobs(o.logprobs or [], text, 0) if job.logprobs
+        R.CompletionChoice(i, o.text,
+                           R.completion_logprobs(o.logprobs or [], text, 0) if job.logprobs
                            else None, o.finish_reason)
         for i, o in enumerate(outs)]
-    return P.CompletionResponse(job.id, "text_completion", job.created, job.model, choices,
+    return R.CompletionResponse(job.id, "text_completion", job.created, job.model, choices,
                                 usage, timings)

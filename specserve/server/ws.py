@@ -14,7 +14,7 @@ from aiohttp import web
 
 from specserve.core.errors import InvalidRequestError
 from specserve.engine.async_engine import EngineUnavailableError
-from specserve.server import protocol as P
+from specserve.server import responses as R
 from specserve.server import ws_messages as W
 from specserve.server.api import APP_KEY, error_of, log, tenant_of
 from specserve.server.playground import WS_KEY_PROTOCOL
@@ -73,13 +73,13 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
                     await send(W.ws_token(cid, out))
                 if out.finished and not (job.deadline and job.deadline.cut(out)):
                     # (cut by its deadline: outputs() raises next, and "error" is the end)
-                    await send(W.WsDone("done", cid, out.finish_reason, P.usage_of([out]),
-                                        P.timings_of([out]), "".join(parts)))
+                    await send(W.WsDone("done", cid, out.finish_reason, R.usage_of([out]),
+                                        R.timings_of([out]), "".join(parts)))
                     log.info("request", endpoint="/ws", request_id=job.id, status=200,
                              finish_reason=out.finish_reason,
                              prompt_tokens=out.num_prompt_tokens,
                              completion_tokens=out.num_output_tokens,
-                             timings=P.timings_of([out]))
+                             timings=R.timings_of([out]))
         except asyncio.CancelledError:
             status = "disconnected"
             raise
@@ -109,11 +109,11 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
                     cancelled.add(cid)
                     server.engine.abort(f"ws-{conn}-{cid}-0")
             elif env.type != "request":
-                await send(W.WsError("error", cid, P.ErrorInfo(
+                await send(W.WsError("error", cid, R.ErrorInfo(
                     f"unknown message type {env.type!r}: use request or cancel",
                     "invalid_request_error", "type")))
             elif cid in tasks:
-                await send(W.WsError("error", cid, P.ErrorInfo(
+                await send(W.WsError("error", cid, R.ErrorInfo(
                     f"id {cid!r} is already running on this connection",
                     "invalid_request_error", "id")))
             else:

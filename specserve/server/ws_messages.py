@@ -6,7 +6,8 @@ from __future__ import annotations
 import msgspec
 
 from specserve.engine.outputs import RequestOutput
-from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, UsageInfo
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from specserve.server.responses import ErrorInfo, UsageInfo
 
 
 # A WebSocket request is its body's fields plus the envelope's (WsEnvelope).
