@@ -9,7 +9,9 @@ state, each recognised by OpenAI's error code:
 - 400 ``context_length_exceeded``: the prompt's tokens (plus max_tokens) do not fit the context
   window; how many tokens a text is depends on the tokenizer;
 - 408 ``request_timeout``: the request's own ``timeout`` passed before it finished; how long a
-  generation takes depends on the machine.
+  generation takes depends on the machine;
+- 400 ``invalid_structured_output``: a JSON schema, regex or EBNF grammar (a string or object by
+  the document) that does not compile; whether a text is a valid grammar is beyond JSON Schema.
 
 Every other 4xx on a body the document allows is still a failure (ST202).
 """
@@ -21,7 +23,8 @@ import json
 import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-BEYOND_SCHEMA = {(400, "context_length_exceeded"), (408, "request_timeout")}
+BEYOND_SCHEMA = {(400, "context_length_exceeded"), (408, "request_timeout"),
+                 (400, "invalid_structured_output")}
 REPLACED_CHECK = "positive_data_acceptance"
 
 

@@ -23,6 +23,11 @@ class UnsupportedArchitectureError(ModelLoadError):
     """The model's architecture is not one we implement."""
 
 
+# The error code of a schema, regex or grammar that does not compile (valid by the API's types:
+# whether it compiles is beyond what its JSON Schema can state).
+INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"
+
+
 class InvalidRequestError(SpecServeError):
     """A request field is invalid. ``param`` names the offending field (OpenAI's ``param``);
     ``code``, where OpenAI has one for the case (``context_length_exceeded``)."""

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from specserve.core.errors import InvalidRequestError
+from specserve.core.errors import INVALID_STRUCTURED_OUTPUT, InvalidRequestError
 
 Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
@@ -46,11 +46,12 @@ class StructuredSpec:
                 parsed = json.loads(schema)
             except ValueError as exc:
                 raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}",
-                                          param=param) from exc
+                                          param=param, code=INVALID_STRUCTURED_OUTPUT) from exc
         else:
             parsed = schema
         if not isinstance(parsed, dict):
-            raise InvalidRequestError("the JSON schema must be a JSON object", param=param)
+            raise InvalidRequestError("the JSON schema must be a JSON object", param=param,
+                                      code=INVALID_STRUCTURED_OUTPUT)
         # key order kept: the grammar emits properties in the order the schema lists them
         return StructuredSpec("json_schema", json.dumps(parsed), param)
 

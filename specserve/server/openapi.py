@@ -114,6 +114,47 @@ def _enforced(components: dict[str, Any], vocab_size: int, methods: list[str],
                     f"the prompt's tokens plus this must fit the context window "
                     f"({max_model_len} tokens), else 400")
     components["SpeculativeOptions"]["properties"]["method"]["anyOf"][0]["enum"] = methods
+    # chat content: text parts only (an image part decodes, to be refused by name)
+    content = components["ChatMessage"]["properties"]["content"]
+    content["anyOf"][1] = {"type": "array", "items": _ref("TextPart")}
+    content["description"] = "a text, or text parts (an image_url part is a 400)"
+    # structured_outputs: one constraint at most, and no empty regex or grammar
+    so = components["StructuredOutputs"]
+    for key in ("regex", "grammar"):
+        so["properties"][key]["anyOf"][0]["minLength"] = 1
+    given = {k: {"not": {"type": "null"}} for k in ("json", "regex", "choice", "grammar")}
+    given["json_object"] = {"const": True}
+    keys = list(given)
+    so["not"] = {"anyOf": [{"required": [a, b], "properties": {a: given[a], b: given[b]}}
+                           for i, a in enumerate(keys) for b in keys[i + 1:]]}
+    so["description"] = ("one of json, regex, choice, grammar, json_object; a schema, regex or "
+                         "grammar that does not compile is a 400 (invalid_structured_output)")
+    # response_format json_schema needs its schema
+    rf = components["ResponseFormat"]
+    rf["if"] = {"required": ["type"], "properties": {"type": {"const": "json_schema"}}}
+    rf["then"] = {"required": ["json_schema"], "properties": {"json_schema": {
+        "type": "object", "required": ["schema"],
+        "properties": {"schema": {"type": "object"}}}}}
+    # one constraint per request, and none beside min_tokens (the grammar ends the answer)
+    formats = {"required": ["response_format"], "properties": {"response_format": {
+        "type": "object", "required": ["type"],
+        "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}
+    vllm = {"required": ["structured_outputs"], "properties": {"structured_outputs": {
+        "type": "object", "anyOf": [{"required": [k], "properties": {k: v}}
+                                    for k, v in given.items()]}}}
+    min_tokens = {"required": ["min_tokens"],
+                  "properties": {"min_tokens": {"type": "integer", "minimum": 1}}}
+    # speculative.method "prediction" needs a prediction
+    by_prediction = {"required": ["speculative"], "properties": {"speculative": {
+        "type": "object", "required": ["method"],
+        "properties": {"method": {"const": "prediction"}}}}}
+    no_prediction = {"not": {"required": ["prediction"],
+                             "properties": {"prediction": {"type": "object"}}}}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        components[name]["not"] = {"anyOf": [{"allOf": [formats, vllm]},
+                                             {"allOf": [formats, min_tokens]},
+                                             {"allOf": [vllm, min_tokens]},
+                                             {"allOf": [by_prediction, no_prediction]}]}
     for name, schema in components.items():
         if name.endswith("Request") or name == "ChatMessage":
             props = schema.get("properties", {})

@@ -79,12 +79,20 @@ class TextPart(msgspec.Struct, tag_field="type", tag="text"):
     text: str
 
 
-class Prediction(msgspec.Struct):
+class PredictionPart(msgspec.Struct, forbid_unknown_fields=True):
+    """A text part of a prediction's content: ``type`` is required (outside a union a tagged
+    Struct would accept a part without it)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(msgspec.Struct, forbid_unknown_fields=True):
     """OpenAI's Predicted Outputs: the text the client expects back (the file it edits). Drafts
     come from it first; the answer is the model's either way (exact speculation)."""
 
     type: Literal["content"]
-    content: str | list[TextPart]
+    content: str | list[PredictionPart]
 
     @property
     def text(self) -> str:

@@ -26,14 +26,14 @@ from specserve.core.errors import InvalidRequestError
 from specserve.core.structured import StructuredSpec
 
 
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str = "response"
     description: str | None = None
     schema: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
+class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 

@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from specserve.core.errors import InvalidRequestError
+from specserve.core.errors import INVALID_STRUCTURED_OUTPUT, InvalidRequestError
 from specserve.core.structured import StructuredSpec, choice_grammar
 
 _CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
@@ -69,7 +69,7 @@ class GrammarCompiler:
                     "choice": "choice list", "json_object": "JSON grammar"}[spec.kind]
             detail = _LOCATION.sub("", str(exc).strip()).strip()
             raise InvalidRequestError(f"the {what} cannot be compiled: {detail}",
-                                      param=spec.param) from exc
+                                      param=spec.param, code=INVALID_STRUCTURED_OUTPUT) from exc
         with self._lock:
             self._cache[spec.key] = compiled
             while len(self._cache) > _CACHE_SIZE:
