@@ -303,7 +303,7 @@ def test_server_response_format_and_structured_outputs(server, method):
     ({"structured_outputs": {"grammar": "root ::= nope"}}, "structured_outputs.grammar"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
      "structured_outputs"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
