@@ -68,8 +68,7 @@ _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     """A metadata value as Python (a string, a number, or a list of them)."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    return reader.fields.get(key, default)
 
 
 def architecture(reader: Any) -> str:
@@ -100,7 +99,7 @@ def hf_config_from_gguf(reader: Any) -> Any:
     head_dim = int(key("attention.key_length", hidden // heads))
     layers = int(key("block_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    vocab = key("vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
         vocab = int(_tensor(reader, "token_embd.weight").shape[0])
     kw: dict[str, Any] = dict(

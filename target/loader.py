@@ -161,12 +161,11 @@ def _load_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
         log.info("loaded %s from cache %s in %.1fs", path, weights_dir, time.perf_counter() - t0)
         return hf_config, state_dict
 
-    import gguf
-
     from specserve.target.gguf_arch import gguf_state_dict, hf_config_from_gguf
+    from specserve.target.gguf_file import GGUFFile
 
     t0 = time.perf_counter()
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFFile(path)
     hf_config = hf_config_from_gguf(reader)  # general.architecture and its keys decide
     ModelConfig.from_hf(hf_config)  # refuse unsupported models before dequantizing anything
     state_dict = gguf_state_dict(reader, hf_config)

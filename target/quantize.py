@@ -87,10 +87,9 @@ def dense_projection_tensors(mode: str, model_path: str | Path, config: ModelCon
     if not quant_ext.available():
         return {"every projection": "the C++ block kernels cannot be built on this machine"}
     if mode == "gguf":
-        import gguf
+        from specserve.target.gguf_file import GGUFFile
 
-        reader = gguf.GGUFReader(str(model_path))
-        names = {t.name: t.tensor_type.name for t in reader.tensors}
+        names = {t.name: t.tensor_type.name for t in GGUFFile(model_path).tensors}
         out = {}
         for name, type_name in names.items():
             pieces = name.split(".")
@@ -141,11 +140,11 @@ def gguf_block_weights(path: str | Path, model: CausalLM) -> dict[str, BlockQuan
     names, q/k rows un-permuted as transformers does (llama.cpp stores them permuted for its
     rotary), parts fused in our order (parts of different formats as Q8_F). A module some of
     whose parts are of a type without a kernel is left out."""
-    import gguf
+    from specserve.target.gguf_file import GGUFFile
 
     cfg = model.config
-    reader = gguf.GGUFReader(str(path))
-    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    reader = GGUFFile(path)
+    arch = reader.fields["general.architecture"]
     permuted = arch in PERMUTED_QK  # the converter permutes these (target/gguf_arch.py)
     parts: dict[str, dict[int, BlockQuantWeight | None]] = {}
     head: BlockQuantWeight | None = None

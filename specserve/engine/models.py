@@ -143,11 +143,11 @@ def _gguf_tokenizer(path: Path) -> Any | None:
 def _transformers_reads_gguf_arch(path: Path) -> bool:
     """True when transformers' GGUF support knows the file's architecture (AutoTokenizer reads
     the model config too, and refuses architectures it has no config mapping for, Granite)."""
-    from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    field = GGUFReader(path).fields.get("general.architecture")
-    return field is not None and field.contents() in GGUF_SUPPORTED_ARCHITECTURES
+    from specserve.target.gguf_file import GGUFFile
+
+    return GGUFFile(path).fields.get("general.architecture") in GGUF_SUPPORTED_ARCHITECTURES
 
 
 def _tokenizer_from_gguf_metadata(path: Path) -> Any:
@@ -162,6 +162,6 @@ def _tokenizer_from_gguf_metadata(path: Path) -> Any:
 
 
 def _gguf_has_tokenizer(path: Path) -> bool:
-    from gguf import GGUFReader
+    from specserve.target.gguf_file import GGUFFile
 
-    return "tokenizer.ggml.model" in GGUFReader(path).fields
+    return "tokenizer.ggml.model" in GGUFFile(path).fields
