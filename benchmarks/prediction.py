@@ -240,8 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{'yes' if not failures else 'NO'}. {args.rounds} round(s), modes in rotating order; "
         f"1 stream: the tasks one after another; {args.streams} streams: {args.streams} at "
         f"once. Indicative where other work shared the machine. lscpu: {lscpu_summary()}.")
-    section = results_section(HEADING, info, intro, tables(runs, widths))
-    publish(HEADING, section, write=not args.no_write)
+    # one section per model: a run on another file never replaces the built-in model's
+    heading = HEADING if args.model is None else f"{HEADING}, {Path(args.model).name}"
+    section = results_section(heading, info, intro, tables(runs, widths))
+    publish(heading, section, write=not args.no_write)
     for f in failures:
         print("FAILURE:", f, file=sys.stderr)
     return 1 if failures else 0

@@ -158,6 +158,9 @@ def _half_exact(t: torch.Tensor) -> torch.Tensor:
 
 
 LANES = 8  # output features interleaved per group in the kernel's layout (kernels/csrc/qgemm.cpp)
+# The version of ``pack``'s layout: cached planes (target/block_cache.py) are kept under it, so
+# change it whenever ``pack`` (or the kernels' reading of its planes) changes.
+PACKED_LAYOUT = "1"
 
 
 def pack(weight: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -248,16 +251,28 @@ class BlockQuantLinear(nn.Module):
 
     def __init__(self, weight: BlockQuantWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.fmt = weight.fmt
-        self.out_features, self.in_features = weight.shape
         qs, d, m = pack(weight)
-        self.register_buffer("qs", qs)
-        self.register_buffer("d", d)
-        self.register_buffer("m", m)
         if bias is not None:  # padded like the planes: the kernel adds 8 features at a time
             bias = bias.to(torch.float32)
             bias = torch.cat([bias, bias.new_zeros(qs.shape[0] * LANES - bias.numel())])
-        self.register_buffer("bias", bias)
+        self._setup(weight.fmt, *weight.shape, (qs, d, m, bias))
+
+    @classmethod
+    def from_packed(cls, fmt: str, out_features: int, in_features: int,
+                    planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                  torch.Tensor | None]) -> BlockQuantLinear:
+        """A layer from planes already in the kernel's layout (``planes``: qs, d, m, bias as
+        this class's buffers hold them), as a cache of built layers stores them."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._setup(fmt, out_features, in_features, planes)
+        return layer
+
+    def _setup(self, fmt: str, out_features: int, in_features: int, planes: tuple) -> None:
+        self.fmt = fmt
+        self.out_features, self.in_features = out_features, in_features
+        for name, plane in zip(("qs", "d", "m", "bias"), planes, strict=True):
+            self.register_buffer(name, plane)
         # Kernel per row count ("<isa>/<rows sharing each unpacked weight block>"): numerically
         # irrelevant (every form gives the same bits, batch-invariant), so the tuner
         # (kernels/tuner.py) picks by speed alone.
@@ -320,3 +335,36 @@ class BlockQuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.fmt}"
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept in its file's blocks: a lookup dequantizes the rows it reads,
+    with the float32 operations ``BlockQuantWeight.dequantize`` shares with gguf's
+    ``dequantize``, so each row has the bits a float table loaded from the file has. A 151,936 x
+    896 Q5_0 table takes 153 MB here against 545 MB as float32. The planes are buffers in the
+    file's row layout (``BlockQuantWeight``), so ``.to()`` and ``state_dict`` see them."""
+
+    def __init__(self, weight: BlockQuantWeight) -> None:
+        super().__init__()
+        self.fmt = weight.fmt
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.register_buffer("qs", weight.qs)
+        self.register_buffer("d", weight.d)
+        self.register_buffer("m", weight.m)
+        self._table: torch.Tensor | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim] float32
+        flat = ids.reshape(-1)
+        pick = lambda t: None if t is None else t.index_select(0, flat)
+        rows = BlockQuantWeight(self.fmt, pick(self.qs), pick(self.d), pick(self.m))
+        return rows.dequantize().view(*ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table as float32 (built on first use, for drafts that share it)."""
+        if self._table is None or self._table.device != self.qs.device:
+            self._table = BlockQuantWeight(self.fmt, self.qs, self.d, self.m).dequantize()
+        return self._table
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"

@@ -200,10 +200,12 @@ def _tensor(reader: Any, name: str) -> np.ndarray | None:
     return None
 
 
-def gguf_state_dict(reader: Any, config: Any) -> dict[str, torch.Tensor]:
-    """Every model tensor of the file, dequantized to float32, under Hugging Face names (q/k
-    rows un-permuted, Gemma norms back to w). Raises ``UnsupportedArchitectureError`` for a
-    tensor no architecture we run has."""
+def gguf_state_dict(reader: Any, config: Any, skip: frozenset[str] = frozenset()
+                    ) -> dict[str, torch.Tensor]:
+    """Every model tensor of the file but those named in ``skip`` (the file's names: tensors
+    the model takes as blocks), dequantized to float32, under Hugging Face names (q/k rows
+    un-permuted, Gemma norms back to w). Raises ``UnsupportedArchitectureError`` for a tensor
+    no architecture we run has."""
     from gguf import dequantize
 
     arch = architecture(reader)
@@ -214,7 +216,7 @@ def gguf_state_dict(reader: Any, config: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     unknown: list[str] = []
     for t in reader.tensors:
-        if t.name in _CONFIG_TENSORS:
+        if t.name in _CONFIG_TENSORS or t.name in skip:
             continue
         m = _BLK.match(t.name)
         if m is not None and m.group(2) in layer_names:

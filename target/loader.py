@@ -1,13 +1,18 @@
 """Weight loading: a local Hugging Face folder (config.json + safetensors) or a GGUF file.
 
 A GGUF file's metadata decides its architecture and config as llama.cpp's loader reads it
-(``target/gguf_arch.py``); its tensors are dequantized to float32 under Hugging Face names
-(q/k rows un-permuted). The first load of a GGUF writes what it produced into a cache folder,
-an ordinary HF folder that later loads take in about a second:
+(``target/gguf_arch.py``, over the one-pass reader ``target/gguf_file.py``). Served with its own
+block types (``--quantization auto`` on CPU: ``build_model(native_blocks=True)``), each
+projection and the embedding table are built from the file's blocks and only the rest is
+dequantized; the built layers are cached per file (``target/block_cache.py``). On the float
+path (``--quantization none``, ``int4``, ``int8``) every tensor is dequantized to float32 under
+Hugging Face names (q/k rows un-permuted); the first such load writes what it produced into a
+cache folder, an ordinary HF folder that later loads take in about a second:
 
     $SPECSERVE_CACHE_DIR (default ~/.cache/specserve)/gguf-<sha256(abs path, size, mtime,
         transformers and gguf versions)>/
         weights/    config.json + model.safetensors (float32, exactly as dequantized)
+        blocks-N/   the built block layers (target/block_cache.py)
         tokenizer/  tokenizer files (written by specserve.engine.models.load_tokenizer)
 
 Any change to the GGUF file (size or mtime) or to the converting libraries gives a new key, so
@@ -29,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +43,9 @@ from specserve.core.errors import ModelLoadError
 from specserve.core.paths import cache_root
 from specserve.target.config import ModelConfig, check_architecture
 from specserve.target.model import CausalLM
+
+if TYPE_CHECKING:
+    from specserve.target.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -182,22 +190,42 @@ def _load_gguf(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
 
 @dataclass
 class Weights:
-    """A model's files read into memory, not yet built: the transformers config and the state
-    dict with Hugging Face names (``load_weights``). ``config`` is what the resolver reads
-    (context length, KV shape); ``build_model`` consumes the tensors."""
+    """A model's files opened, not yet built: the transformers config, and the state dict with
+    Hugging Face names once read (``tensors``). A GGUF file is opened without reading its
+    tensors (``gguf``): ``build_model`` takes its projections as blocks, or dequantizes them
+    all when the model runs dense. ``config`` is what the resolver reads (context length, KV
+    shape); ``build_model`` consumes the tensors."""
 
     path: Path
     hf_config: Any
-    state_dict: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor] | None = None
+    gguf: GGUFFile | None = None
 
     @functools.cached_property
     def config(self) -> ModelConfig:
         return ModelConfig.from_hf(self.hf_config)
 
+    def take_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor, dequantized to float (a GGUF through the float cache); the model owns
+        them from here on."""
+        tensors = self.tensors if self.tensors is not None else _load_gguf(self.path)[1]
+        self.tensors = {}
+        return tensors
+
 
 def read_weights(path: str | os.PathLike[str]) -> Weights:
+    p = Path(path)
+    if p.is_file() and is_gguf(p):
+        from specserve.target.gguf_arch import hf_config_from_gguf
+        from specserve.target.gguf_file import GGUFFile
+
+        file = GGUFFile(p)
+        hf_config = hf_config_from_gguf(file)  # general.architecture and its keys decide
+        weights = Weights(p, hf_config, None, file)
+        _ = weights.config  # refuse unsupported models before anything else
+        return weights
     hf_config, state_dict = load_weights(path)
-    return Weights(Path(path), hf_config, state_dict)
+    return Weights(p, hf_config, state_dict)
 
 
 def model_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -222,15 +250,43 @@ def build_model(
     dtype: torch.dtype | str,
     device: torch.device | str,
     shared_embeddings: torch.Tensor | None = None,
+    *,
+    native_blocks: bool = False,
 ) -> tuple[ModelConfig, CausalLM]:
     """Loads a path (or weights already read, which this consumes) into our ``CausalLM`` in
     ``dtype`` on ``device`` (eval mode, no grads). ``ModelConfig.eos_token_ids`` also holds the
     folder's generation_config.json EOS ids. ``shared_embeddings``: the target's embedding
-    table, for drafts that share it."""
+    table, for drafts that share it. ``native_blocks`` (a GGUF, ``--quantization auto`` on
+    CPU): each projection of a type with a block kernel is built from the file's blocks,
+    never dequantized; the rest (norms, embeddings, projections of other types) as float."""
     weights = source if isinstance(source, Weights) else read_weights(source)
-    path, hf_config, state_dict = weights.path, weights.hf_config, weights.state_dict
-    weights.state_dict = {}  # consumed: the model owns the tensors from here on
+    path, hf_config = weights.path, weights.hf_config
     model_config = weights.config
+    extra_eos = _generation_eos_ids(Path(path))
+    if extra_eos:
+        merged = tuple(dict.fromkeys(model_config.eos_token_ids + extra_eos))
+        model_config = dataclasses.replace(model_config, eos_token_ids=merged)
+    blocks: dict[str, Any] = {}
+    native = native_blocks and weights.gguf is not None
+    if native:
+        from specserve.target import block_cache
+
+        cached = block_cache.load(path, model_config, model_dtype(dtype))
+        if cached is not None:
+            weights.tensors = {}
+            return model_config, cached.to(device).eval()
+        from specserve.target.gguf_arch import gguf_state_dict
+        from specserve.target.quantize import file_block_weights
+
+        t0 = time.perf_counter()
+        untied = not model_config.tie_word_embeddings
+        blocks, consumed = file_block_weights(weights.gguf, model_config, untied)
+        state_dict = gguf_state_dict(weights.gguf, hf_config, skip=frozenset(consumed))
+        weights.tensors = {}
+        log.info("read %s: %d projections as the file's blocks, %d tensors dequantized, in "
+                 "%.1fs", path, len(blocks), len(state_dict), time.perf_counter() - t0)
+    else:
+        state_dict = weights.take_state_dict()
     head_ids = state_dict.pop(HEAD_IDS_KEY, None)
     if head_ids is not None and (
         head_ids.dim() != 1 or int(head_ids.min()) < 0
@@ -252,14 +308,19 @@ def build_model(
                 f"distill a draft for this target (`specserve distill`)"
             )
         state_dict["model.embed_tokens.weight"] = shared_embeddings
-    extra_eos = _generation_eos_ids(Path(path))
-    if extra_eos:
-        merged = tuple(dict.fromkeys(model_config.eos_token_ids + extra_eos))
-        model_config = dataclasses.replace(model_config, eos_token_ids=merged)
     model = CausalLM(model_config, dtype=model_dtype(dtype), device="meta",
                      head_token_ids=head_ids)
-    model.load_hf_state_dict(state_dict)
+    # block weights fill these; the tied table heads a tied model and is no parameter
+    elsewhere = frozenset(f"{name}.weight" for name in blocks
+                          if name != "lm_head" or model.lm_head is not None)
+    model.load_hf_state_dict(state_dict, elsewhere)
     del state_dict
+    if blocks:
+        from specserve.target.quantize import install_blocks
+
+        install_blocks(model, blocks)
+    if native:
+        block_cache.store(path, model)
     model.to(device).eval()
     return model_config, model
 

@@ -71,7 +71,12 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         factory: dict[str, object] = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        # On the meta device (every load) no random init: nn.Embedding's normal_ on meta imports
+        # torch._dynamo, 7 s of a start on 2 cores.
+        table = (torch.empty(config.vocab_size, config.hidden_size, **factory)  # type: ignore[arg-type]
+                 if device is not None and torch.device(device).type == "meta" else None)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table,
+                                         **factory)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, **factory) for i in range(config.num_layers)
         )
@@ -105,7 +110,7 @@ class CausalLM(nn.Module):
         super()._apply(fn, recurse)
         self._stack = None  # it holds the old weight tensors
         self._segments = {}
-        device = self.embed_tokens.weight.device
+        device = self.norm.weight.device  # the embedding may be blocks (kernels.quant)
         if device.type != "meta":
             for rotary in self.rotaries.values():
                 rotary.inv_freq = rotary.inv_freq.to(device)
@@ -253,13 +258,15 @@ class CausalLM(nn.Module):
                 logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits.float()
 
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor],
+                           elsewhere: frozenset[str] = frozenset()) -> None:
         """Loads Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``...) into the
         fused parameters, casting to each parameter's dtype. Parameters on the meta device are
         replaced by the loaded tensors (on their device); others are copied in place.
-        Raises ``ModelLoadError`` listing every missing or unexpected weight."""
+        ``elsewhere``: our parameter names the caller fills otherwise (block weights), left as
+        they are. Raises ``ModelLoadError`` listing every missing or unexpected weight."""
         fused, unexpected = _fuse_hf_names(state_dict, self.config)
-        own = dict(self.named_parameters())
+        own = {n: p for n, p in self.named_parameters() if n not in elsewhere}
         missing = [_hf_name(n) for n in sorted(set(own) - set(fused))]
         unexpected += sorted(_hf_name(n) for n in set(fused) - set(own))
         if missing or unexpected:

@@ -31,6 +31,7 @@ from specserve.core.config import Quantization
 from specserve.core.errors import ConfigError
 from specserve.kernels import quant_ext
 from specserve.kernels.quant import (
+    BlockEmbedding,
     BlockQuantLinear,
     BlockQuantWeight,
     from_gguf_blocks,
@@ -40,6 +41,9 @@ from specserve.kernels.quant import quantize as quantize_blocks
 from specserve.target.config import ModelConfig
 from specserve.target.gguf_arch import PERMUTED_QK
 from specserve.target.model import CausalLM, set_fused_ops
+
+if typing.TYPE_CHECKING:
+    from specserve.target.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -137,19 +141,31 @@ def projection_modules(model: CausalLM) -> dict[str, nn.Linear]:
 
 def gguf_block_weights(path: str | Path, model: CausalLM) -> dict[str, BlockQuantWeight]:
     """The GGUF's projection tensors of types with a kernel as block weights under our module
-    names, q/k rows un-permuted as transformers does (llama.cpp stores them permuted for its
-    rotary), parts fused in our order (parts of different formats as Q8_F). A module some of
-    whose parts are of a type without a kernel is left out."""
+    names (``file_block_weights``), for a model already built."""
     from specserve.target.gguf_file import GGUFFile
 
-    cfg = model.config
-    reader = GGUFFile(path)
+    untied_head = model.lm_head is not None and model.head_token_ids is None
+    return file_block_weights(GGUFFile(path), model.config, untied_head)[0]
+
+
+def file_block_weights(reader: GGUFFile, cfg: ModelConfig, untied_head: bool
+                       ) -> tuple[dict[str, BlockQuantWeight], set[str]]:
+    """The file's projection tensors of types with a kernel as block weights under our module
+    names, q/k rows un-permuted as transformers does (llama.cpp stores them permuted for its
+    rotary), parts fused in our order (parts of different formats as Q8_F), and the names of
+    the file's tensors they hold. A module some of whose parts are of a type without a kernel
+    is left out. ``untied_head``: the model has its own lm_head (else a tied table heads it)."""
     arch = reader.fields["general.architecture"]
     permuted = arch in PERMUTED_QK  # the converter permutes these (target/gguf_arch.py)
-    parts: dict[str, dict[int, BlockQuantWeight | None]] = {}
+    parts: dict[str, dict[int, tuple[str, BlockQuantWeight | None]]] = {}
     head: BlockQuantWeight | None = None
     tied_table: BlockQuantWeight | None = None
     for t in reader.tensors:
+        pieces = t.name.split(".")
+        layer_part = len(pieces) == 4 and pieces[0] == "blk" and pieces[2] in _GGUF_PARTS \
+            and pieces[3] == "weight"
+        if not layer_part and t.name not in ("output.weight", "token_embd.weight"):
+            continue
         fmt = gguf_format(t.tensor_type.name)
         shape = (int(t.shape[1]), int(t.shape[0])) if len(t.shape) == 2 else None
         weight = None
@@ -161,24 +177,40 @@ def gguf_block_weights(path: str | Path, model: CausalLM) -> dict[str, BlockQuan
         if t.name == "token_embd.weight":
             tied_table = weight
             continue
-        pieces = t.name.split(".")
-        if len(pieces) != 4 or pieces[0] != "blk" or pieces[2] not in _GGUF_PARTS:
-            continue
         module, index = _GGUF_PARTS[pieces[2]]
         if weight is not None and permuted and pieces[2] in ("attn_q", "attn_k"):
             heads = cfg.num_heads if pieces[2] == "attn_q" else cfg.num_kv_heads
             weight = weight.rows(_unpermute_index(weight.shape[0], heads))
-        parts.setdefault(f"layers.{pieces[1]}.{module}", {})[index] = weight
+        parts.setdefault(f"layers.{pieces[1]}.{module}", {})[index] = (t.name, weight)
     out: dict[str, BlockQuantWeight] = {}
+    consumed: set[str] = set()
     for name, got in parts.items():
-        if got and all(w is not None for w in got.values()):
-            out[name] = BlockQuantWeight.cat([got[i] for i in sorted(got)])  # type: ignore[misc]
-    if model.lm_head is not None and model.head_token_ids is None:
+        if got and all(w is not None for _, w in got.values()):
+            out[name] = BlockQuantWeight.cat([got[i][1] for i in sorted(got)])  # type: ignore[misc]
+            consumed.update(n for n, _ in got.values())
+    if untied_head:
         if head is not None:
             out["lm_head"] = head
+            consumed.add("output.weight")
     elif cfg.tie_word_embeddings and tied_table is not None:
         out["lm_head"] = tied_table
-    return out
+    if tied_table is not None:  # looked up in its blocks (BlockEmbedding)
+        out["embed_tokens"] = tied_table
+        consumed.add("token_embd.weight")
+    return out, consumed
+
+
+def install_blocks(model: CausalLM, blocks: dict[str, BlockQuantWeight]) -> None:
+    """Puts ``BlockQuantLinear``s of ``blocks`` in place of the named projections (which may
+    still be on the meta device: their weights were never read), keeping each one's bias, and
+    a ``BlockEmbedding`` for ``embed_tokens``."""
+    for name, weight in blocks.items():
+        if name == "embed_tokens":
+            model.embed_tokens = BlockEmbedding(weight)
+            continue
+        module = model.lm_head if name == "lm_head" else model.get_submodule(name)
+        bias = None if module is None else module.bias
+        _set_module(model, name, BlockQuantLinear(weight, bias))
 
 
 def _unpermute_index(rows: int, heads: int) -> torch.Tensor:
@@ -196,12 +228,15 @@ def quantize_model(model: CausalLM, mode: str, model_path: str) -> dict[str, str
         return {}
     from specserve.target.loader import is_gguf
 
-    native = gguf_block_weights(model_path, model) if is_gguf(model_path) else {}
     want = _FORMAT_OF.get(mode)  # None: the file's own formats
+    chosen = {name: m.fmt for name, m in model.named_modules() if isinstance(m, BlockQuantLinear)}
+    # built from the file's blocks already (build_model, native_blocks): what is left dense has
+    # no kernel for its type
+    native = gguf_block_weights(model_path, model) if is_gguf(model_path) and not (
+        chosen and want is None) else {}
     dense = projection_modules(model)
     if model.lm_head is None and model.config.tie_word_embeddings:
         dense["lm_head"] = None  # type: ignore[assignment]  # tied: quantize a copy of the table
-    chosen: dict[str, str] = {}
     for name, module in dense.items():
         weight = native.get(name)
         if weight is not None and want is not None and weight.fmt != want:

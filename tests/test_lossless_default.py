@@ -6,13 +6,11 @@ registry's default."""
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 
 from specserve.core.config import EngineConfig
-from tests.helpers.gguf_blocks import random_blocks
+from tests.helpers.gguf_blocks import typed_tensors
 from tests.helpers.tiny_models import GGUF_VOCAB_SIZE, HF_INIT, build_tiny_model, tiny_config
 
 CFG = dict(vocab_size=GGUF_VOCAB_SIZE, hidden_size=64, intermediate_size=96,
@@ -20,40 +18,10 @@ CFG = dict(vocab_size=GGUF_VOCAB_SIZE, hidden_size=64, intermediate_size=96,
            max_position_embeddings=256, tie_word_embeddings=False)
 
 
-@contextlib.contextmanager
-def _typed_tensors(types: dict[str, str]):
-    """While open, GGUFWriter.add_tensor stores the float tensors whose name contains a key of
-    ``types`` in that GGUF type (gguf's own quantizer; random valid blocks for the K-quants),
-    the rest as given (F32)."""
-    import gguf
-
-    original = gguf.GGUFWriter.add_tensor
-
-    def add_tensor(self, name, tensor, *args, **kwargs):
-        for part, type_name in types.items():
-            if part in name and tensor.ndim == 2:
-                qtype = gguf.GGMLQuantizationType[type_name]
-                if type_name.endswith("_K"):  # gguf-py has no K-quantizer: random blocks
-                    raw = random_blocks(type_name, tensor.shape[0], tensor.shape[1],
-                                        len(name))
-                    return original(self, name, raw, raw_shape=raw.shape, raw_dtype=qtype)
-                if qtype == gguf.GGMLQuantizationType.F16:
-                    return original(self, name, tensor.astype(np.float16))
-                raw = gguf.quants.quantize(tensor.astype(np.float32), qtype)
-                return original(self, name, raw, raw_shape=raw.shape, raw_dtype=qtype)
-        return original(self, name, tensor, *args, **kwargs)
-
-    gguf.GGUFWriter.add_tensor = add_tensor
-    try:
-        yield
-    finally:
-        gguf.GGUFWriter.add_tensor = original
-
-
 def _gguf(path, down_type: str) -> str:
     """A tiny Llama GGUF: every projection and the lm_head Q8_0, ffn_down in ``down_type``."""
     types = {"ffn_down": down_type, "attn_": "Q8_0", "ffn_": "Q8_0", "output.": "Q8_0"}
-    with _typed_tensors(types):
+    with typed_tensors(types):
         build_tiny_model(path, tiny_config("llama", **CFG), init=HF_INIT, fmt="gguf")
     return str(path)
 
@@ -130,7 +98,7 @@ def test_k_quant_file_speculates_by_default_and_greedy_equals_plain(tmp_path):
     types = {"attn_v": "Q6_K", "attn_": "Q5_0", "ffn_down": "Q6_K", "ffn_": "Q4_K",
              "output.": "Q8_0"}
     cfg = {**CFG, "hidden_size": 256, "intermediate_size": 512}
-    with _typed_tensors(types):
+    with typed_tensors(types):
         build_tiny_model(tmp_path / "k.gguf", tiny_config("llama", **cfg), init=HF_INIT,
                          fmt="gguf")
     engine = LLMEngine(_engine_config(str(tmp_path / "k.gguf")))

@@ -60,7 +60,8 @@ def test_default_model_blocks_equal_transformers_weights():
     cfg, model = build_model(path, torch.float32, "cpu")
     blocks = gguf_block_weights(path, model)
     _, hf = load_weights(path)
-    assert len(blocks) == 4 * cfg.num_layers + 1  # qkv, o, gate_up, down per layer; head
+    # qkv, o, gate_up, down per layer; the head and the embedding lookup (one tied table)
+    assert len(blocks) == 4 * cfg.num_layers + 2
     for i in (0, cfg.num_layers - 1):
         p = f"model.layers.{i}."
         qkv = torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
@@ -71,6 +72,7 @@ def test_default_model_blocks_equal_transformers_weights():
         assert torch.equal(blocks[f"layers.{i}.mlp.down_proj"].dequantize(), down)
     assert blocks["lm_head"].fmt == "q8_0"
     assert torch.equal(blocks["lm_head"].dequantize(), hf["model.embed_tokens.weight"])
+    assert torch.equal(blocks["embed_tokens"].dequantize(), hf["model.embed_tokens.weight"])
 
 
 # ---- kernels against float64 ------------------------------------------------------------------

@@ -51,7 +51,8 @@ def build_parts(config: ResolvedConfig, files: ModelFiles, registry: ProposerReg
                 ) -> EngineParts:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    model_config, model = build_model(files.target, config.dtype, config.device)
+    model_config, model = build_model(files.target, config.dtype, config.device,
+                                      native_blocks=config.quantization == "gguf")
     quantize_model(model, config.quantization, config.model_path)
     tokenizer = load_tokenizer(config.tokenizer_path)
     attn = _attention(config, model_config)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from specserve.kernels.gguf_blocks import GGUF_TYPES
@@ -21,3 +23,33 @@ def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
         scale = rng.uniform(0.2e-3, 2e-3, size=(n, k // per)) * rng.choice([-1, 1], (n, k // per))
         raw[..., off: off + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
     return raw.reshape(n, -1)
+
+
+@contextlib.contextmanager
+def typed_tensors(types: dict[str, str]):
+    """While open, GGUFWriter.add_tensor stores the float tensors whose name contains a key of
+    ``types`` in that GGUF type (gguf's own quantizer; random valid blocks for the K-quants),
+    the rest as given (F32)."""
+    import gguf
+
+    original = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(self, name, tensor, *args, **kwargs):
+        for part, type_name in types.items():
+            if part in name and tensor.ndim == 2:
+                qtype = gguf.GGMLQuantizationType[type_name]
+                if type_name.endswith("_K"):  # gguf-py has no K-quantizer: random blocks
+                    raw = random_blocks(type_name, tensor.shape[0], tensor.shape[1],
+                                        len(name))
+                    return original(self, name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+                if qtype == gguf.GGMLQuantizationType.F16:
+                    return original(self, name, tensor.astype(np.float16))
+                raw = gguf.quants.quantize(tensor.astype(np.float32), qtype)
+                return original(self, name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+        return original(self, name, tensor, *args, **kwargs)
+
+    gguf.GGUFWriter.add_tensor = add_tensor
+    try:
+        yield
+    finally:
+        gguf.GGUFWriter.add_tensor = original
