@@ -10,7 +10,7 @@ import pytest
 
 from specserve.core.errors import ModelLoadError
 from specserve.engine.models import resolve_model_path
-from target.gguf_file import GGUFFile
+from specserve.target.gguf_file import GGUFFile
 
 
 def _assert_same(path) -> None:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from specserve.kernels.quant import BlockEmbedding, BlockQuantLinear
-from target import block_cache, quantize
-from target.loader import build_model, gguf_cache_dir, read_weights
-from target.quantize import quantize_model
+from specserve.target import block_cache, quantize
+from specserve.target.loader import build_model, gguf_cache_dir, read_weights
+from specserve.target.quantize import quantize_model
 from tests.helpers.gguf_blocks import typed_tensors
 from tests.helpers.tiny_models import GGUF_VOCAB_SIZE, HF_INIT, build_tiny_model, tiny_config
 
