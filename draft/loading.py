@@ -11,8 +11,9 @@ and how it is opened. ``open_draft`` takes the first kind that recognises the pa
 recognised by a marker inside a folder (an EAGLE head's config key) comes before the plain
 folder it would also pass for. A new kind of draft is one entry here and its ``DraftSource``.
 
-Each source knows its own rules: a draft model shares the target's embeddings and tokenizer,
-runs Q8_0 blocks beside a quantized target, and gets its own ``ModelRunner``; an EAGLE head is
+Each source knows its own rules: a draft model shares the target's tokenizer (and a distilled
+one its embeddings), runs its GGUF file's own blocks or, from a Hugging Face folder beside a
+quantized target, Q8_0 blocks, and gets its own ``ModelRunner``; an EAGLE head is
 checked against the target it was trained for and gets an ``EagleRunner``. Both keep float32
 KV caches (their numbers only move acceptance), so they run the target's attention form
 widened to float32 caches.
@@ -20,7 +21,8 @@ widened to float32 caches.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -153,31 +155,49 @@ def _draft_backend(target: DraftTarget) -> AttentionBackend:
 
 
 class DraftModelSource:
+    """A draft language model with the target's tokenizer: a Hugging Face folder or a GGUF
+    file (the target's loader reads both)."""
+
     kind = DRAFT_MODEL
 
     def __init__(self, path: str) -> None:
-        from specserve.target.loader import read_weights
+        from specserve.target.loader import is_gguf, read_weights
 
         self.path = path
-        self.weights = read_weights(path)
+        self.gguf = is_gguf(path)
+        with _about_draft(path):
+            self.weights = read_weights(path)
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         from specserve.target.model_runner import ModelRunner
 
         return ModelRunner.bytes_per_block(self.weights.config, block_size, dtype)
 
+    def blocks(self, target: DraftTarget) -> str:
+        """The ``quantize_model`` mode of the draft's projections beside ``target``."""
+        if self.gguf:
+            # A GGUF draft runs the blocks its file holds, as a GGUF target does (each tensor
+            # of a type with a kernel as stored, never requantized through float; others
+            # dense), wherever those kernels run: on CPU, in float32. A tensor without a
+            # batch-invariant kernel needs no caveat here: the draft's numbers only move
+            # acceptance, and the target verifies every token.
+            cpu_float32 = target.device.type == "cpu" and target.dtype == torch.float32
+            return "gguf" if cpu_float32 else "none"
+        # A quantized target's draft runs Q8_0 blocks and the same fused kernels: a float32
+        # draft step would cost a third of a quantized target step and eat the gain.
+        return "int8" if target.quantized else "none"
+
     def build(self, target: DraftTarget) -> LoadedDraft:
         from specserve.target.loader import build_model, check_draft_compatible
         from specserve.target.model_runner import ModelRunner
         from specserve.target.quantize import quantize_model
 
-        config, model = build_model(self.weights, target.dtype, target.device,
-                                    shared_embeddings=target.model.embed_tokens.weight)
-        # A quantized target's draft runs Q8_0 blocks and the same fused kernels: a float32
-        # draft step would cost a third of a quantized target step and eat the gain.
-        quantize_model(model, "int8" if target.quantized else "none", self.path)
-        check_draft_compatible(target.config, config, target.tokenizer,
-                               target.tokenizer_of(self.path))
+        with _about_draft(self.path):  # a distilled draft says first if it is another's
+            config, model = build_model(self.weights, target.dtype, target.device,
+                                        shared_embeddings=target.model.embed_tokens.weight)
+            check_draft_compatible(target.config, config, target.tokenizer,
+                                   target.tokenizer_of(self.path))
+        quantize_model(model, self.blocks(target), self.path)
         # Same block ids, separate KV tensors: one block table serves both models. The KV is
         # allocated when the draft first runs: a server whose requests all run with
         # speculation off never commits or touches it.
@@ -186,6 +206,16 @@ class DraftModelSource:
                              device=target.device, attn_backend=_draft_backend(target),
                              lazy_kv=True)
         return LoadedDraft(self.kind, runner, model, "draft", traced=model)
+
+
+@contextlib.contextmanager
+def _about_draft(path: str) -> Iterator[None]:
+    """A model error raised while reading or checking a draft names the draft: the same loader
+    reads the target, and its messages alone would not say which model was refused."""
+    try:
+        yield
+    except ModelLoadError as exc:
+        raise type(exc)(f"draft {path}: {exc}") from None
 
 
 class EagleHeadSource:
