@@ -192,12 +192,14 @@ class DraftModelSource:
         from specserve.target.model_runner import ModelRunner
         from specserve.target.quantize import quantize_model
 
+        blocks = self.blocks(target)
         with _about_draft(self.path):  # a distilled draft says first if it is another's
             config, model = build_model(self.weights, target.dtype, target.device,
-                                        shared_embeddings=target.model.embed_tokens.weight)
+                                        shared_embeddings=target.model.embed_tokens.weight,
+                                        native_blocks=blocks == "gguf")
             check_draft_compatible(target.config, config, target.tokenizer,
                                    target.tokenizer_of(self.path))
-        quantize_model(model, self.blocks(target), self.path)
+        quantize_model(model, blocks, self.path)
         # Same block ids, separate KV tensors: one block table serves both models. The KV is
         # allocated when the draft first runs: a server whose requests all run with
         # speculation off never commits or touches it.
