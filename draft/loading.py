@@ -2,17 +2,27 @@
 
 The engine names neither. It opens the ``--draft-model`` path with ``open_draft`` before it
 resolves its configuration (the pool is sized for the draft's KV too: ``kv_bytes_per_block``),
-then builds it beside the loaded target (``build``). Each kind knows its own rules: a draft
-model shares the target's embeddings and tokenizer, runs Q8_0 blocks beside a quantized target,
-and gets its own ``ModelRunner``; an EAGLE head is checked against the target it was trained
-for and gets an ``EagleRunner``. Both keep float32 KV caches (their numbers only move
-acceptance), so they run the target's attention form widened to float32 caches. The proposers
-that use a kind say so in the registry (``ProposerSpec.needs_draft``).
+then builds it beside the loaded target (``build``).
+
+What ``--draft-model`` accepts is the table ``DRAFT_KINDS``: each kind says how it is recognised
+(``detect``, from the path alone), what it is and how to give one (for messages), which runner
+its proposers use (``runs_as``: a key of ``RUNS_AS``, what ``ProposerSpec.needs_draft`` names)
+and how it is opened. ``open_draft`` takes the first kind that recognises the path, so a kind
+recognised by a marker inside a folder (an EAGLE head's config key) comes before the plain
+folder it would also pass for. A new kind of draft is one entry here and its ``DraftSource``.
+
+Each source knows its own rules: a draft model shares the target's tokenizer (and a distilled
+one its embeddings), runs its GGUF file's own blocks or, from a Hugging Face folder beside a
+quantized target, Q8_0 blocks, and gets its own ``ModelRunner``; an EAGLE head is
+checked against the target it was trained for and gets an ``EagleRunner``. Both keep float32
+KV caches (their numbers only move acceptance), so they run the target's attention form
+widened to float32 caches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,26 +30,15 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from specserve.core.errors import ModelLoadError
 from specserve.kernels.cpu_paged import CpuPagedAttention
 from specserve.kernels.registry import AttentionBackend
 from specserve.target.config import ModelConfig
 from specserve.target.model import CausalLM
 
+# What a loaded draft runs as: the runner its proposers drive (``ProposerSpec.needs_draft``).
 DRAFT_MODEL, EAGLE_HEAD = "draft_model", "eagle_head"
-
-
-@dataclass(frozen=True)
-class DraftKind:
-    what: str  # "a draft model"
-    how: str  # how to give one on the command line
-
-
-DRAFT_KINDS = {
-    DRAFT_MODEL: DraftKind("a draft model", "--draft-model PATH, a small LM with the target's "
-                                            "tokenizer"),
-    EAGLE_HEAD: DraftKind("an EAGLE head", "--draft-model DIR, a head folder written by "
-                                           "`specserve distill --method eagle`"),
-}
+RUNS_AS = {DRAFT_MODEL: "a draft model", EAGLE_HEAD: "an EAGLE head"}
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ class LoadedDraft:
 
 
 class DraftSource(Protocol):
-    kind: str
+    kind: str  # what it runs as: a key of RUNS_AS
     path: str
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int: ...
@@ -76,12 +75,78 @@ class DraftSource(Protocol):
     def build(self, target: DraftTarget) -> LoadedDraft: ...
 
 
-def open_draft(path: str) -> DraftSource:
-    """The draft at ``path`` (already located: a local folder or file). A folder written by
-    ``specserve distill --method eagle`` is an EAGLE head; anything else a draft model."""
+@dataclass(frozen=True)
+class DraftKind:
+    """One kind of file or folder ``--draft-model`` accepts."""
+
+    name: str  # "gguf"
+    runs_as: str  # a key of RUNS_AS
+    what: str  # "a draft model in a GGUF file"
+    how: str  # how to give one on the command line
+    detect: Callable[[Path], bool]  # recognises the kind from the path alone, reading little
+    open: Callable[[str], DraftSource]
+
+
+def _is_eagle_head(path: Path) -> bool:
     from specserve.draft.eagle_head import is_eagle_dir
 
-    return EagleHeadSource(path) if is_eagle_dir(path) else DraftModelSource(path)
+    return is_eagle_dir(path)
+
+
+def _is_gguf(path: Path) -> bool:
+    from specserve.target.loader import is_gguf
+
+    return is_gguf(path)
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def _open_draft_model(path: str) -> DraftSource:
+    return DraftModelSource(path)
+
+
+def _open_eagle_head(path: str) -> DraftSource:
+    return EagleHeadSource(path)
+
+
+# Detected in this order, first match wins: specific markers before the folder they sit in.
+DRAFT_KINDS: tuple[DraftKind, ...] = (
+    DraftKind("eagle_head", EAGLE_HEAD, "an EAGLE head",
+              "--draft-model DIR, a head folder written by `specserve distill --method eagle`",
+              _is_eagle_head, _open_eagle_head),
+    DraftKind("gguf", DRAFT_MODEL, "a draft model in a GGUF file",
+              "--draft-model FILE.gguf, a small LM with the target's tokenizer",
+              _is_gguf, _open_draft_model),
+    DraftKind("hf_folder", DRAFT_MODEL, "a draft model folder",
+              "--draft-model DIR, a Hugging Face folder (config.json + *.safetensors) of a small "
+              "LM with the target's tokenizer", _is_hf_folder, _open_draft_model),
+)
+
+
+def how_to_give(runs_as: str) -> str:
+    """How to give a draft that runs as ``runs_as``, every kind that does: for messages."""
+    return "; or ".join(k.how for k in DRAFT_KINDS if k.runs_as == runs_as)
+
+
+def detect_kind(path: str) -> DraftKind:
+    """The kind of draft at ``path`` (already located: a local folder or file). Raises
+    ``ModelLoadError`` naming what is accepted when no kind recognises it."""
+    p = Path(path)
+    for kind in DRAFT_KINDS:
+        if kind.detect(p):
+            return kind
+    ggufs = sorted(p.glob("*.gguf")) if p.is_dir() else []
+    hint = f" (to load {ggufs[0].name}, pass the file itself)" if ggufs else ""
+    accepted = "; ".join(f"{k.what}: {k.how}" for k in DRAFT_KINDS)
+    raise ModelLoadError(f"draft {path} is none of the drafts --draft-model accepts{hint}; "
+                         f"give {accepted}")
+
+
+def open_draft(path: str) -> DraftSource:
+    """The draft at ``path``, opened (read, not built) as the kind ``detect_kind`` finds."""
+    return detect_kind(path).open(path)
 
 
 def _draft_backend(target: DraftTarget) -> AttentionBackend:
@@ -90,31 +155,51 @@ def _draft_backend(target: DraftTarget) -> AttentionBackend:
 
 
 class DraftModelSource:
+    """A draft language model with the target's tokenizer: a Hugging Face folder or a GGUF
+    file (the target's loader reads both)."""
+
     kind = DRAFT_MODEL
 
     def __init__(self, path: str) -> None:
-        from specserve.target.loader import read_weights
+        from specserve.target.loader import is_gguf, read_weights
 
         self.path = path
-        self.weights = read_weights(path)
+        self.gguf = is_gguf(path)
+        with _about_draft(path):
+            self.weights = read_weights(path)
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         from specserve.target.model_runner import ModelRunner
 
         return ModelRunner.bytes_per_block(self.weights.config, block_size, dtype)
 
+    def blocks(self, target: DraftTarget) -> str:
+        """The ``quantize_model`` mode of the draft's projections beside ``target``."""
+        if self.gguf:
+            # A GGUF draft runs the blocks its file holds, as a GGUF target does (each tensor
+            # of a type with a kernel as stored, never requantized through float; others
+            # dense), wherever those kernels run: on CPU, in float32. A tensor without a
+            # batch-invariant kernel needs no caveat here: the draft's numbers only move
+            # acceptance, and the target verifies every token.
+            cpu_float32 = target.device.type == "cpu" and target.dtype == torch.float32
+            return "gguf" if cpu_float32 else "none"
+        # A quantized target's draft runs Q8_0 blocks and the same fused kernels: a float32
+        # draft step would cost a third of a quantized target step and eat the gain.
+        return "int8" if target.quantized else "none"
+
     def build(self, target: DraftTarget) -> LoadedDraft:
         from specserve.target.loader import build_model, check_draft_compatible
         from specserve.target.model_runner import ModelRunner
         from specserve.target.quantize import quantize_model
 
-        config, model = build_model(self.weights, target.dtype, target.device,
-                                    shared_embeddings=target.model.embed_tokens.weight)
-        # A quantized target's draft runs Q8_0 blocks and the same fused kernels: a float32
-        # draft step would cost a third of a quantized target step and eat the gain.
-        quantize_model(model, "int8" if target.quantized else "none", self.path)
-        check_draft_compatible(target.config, config, target.tokenizer,
-                               target.tokenizer_of(self.path))
+        blocks = self.blocks(target)
+        with _about_draft(self.path):  # a distilled draft says first if it is another's
+            config, model = build_model(self.weights, target.dtype, target.device,
+                                        shared_embeddings=target.model.embed_tokens.weight,
+                                        native_blocks=blocks == "gguf")
+            check_draft_compatible(target.config, config, target.tokenizer,
+                                   target.tokenizer_of(self.path))
+        quantize_model(model, blocks, self.path)
         # Same block ids, separate KV tensors: one block table serves both models. The KV is
         # allocated when the draft first runs: a server whose requests all run with
         # speculation off never commits or touches it.
@@ -123,6 +208,16 @@ class DraftModelSource:
                              device=target.device, attn_backend=_draft_backend(target),
                              lazy_kv=True)
         return LoadedDraft(self.kind, runner, model, "draft", traced=model)
+
+
+@contextlib.contextmanager
+def _about_draft(path: str) -> Iterator[None]:
+    """A model error raised while reading or checking a draft names the draft: the same loader
+    reads the target, and its messages alone would not say which model was refused."""
+    try:
+        yield
+    except ModelLoadError as exc:
+        raise type(exc)(f"draft {path}: {exc}") from None
 
 
 class EagleHeadSource:

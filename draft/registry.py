@@ -18,7 +18,7 @@ from typing import Any
 
 from specserve.core.config import EngineConfig
 from specserve.draft.base import Proposer
-from specserve.draft.loading import DRAFT_KINDS, DRAFT_MODEL, EAGLE_HEAD
+from specserve.draft.loading import DRAFT_MODEL, EAGLE_HEAD, RUNS_AS
 
 OFF, AUTO = "off", "auto"
 
@@ -26,7 +26,7 @@ OFF, AUTO = "off", "auto"
 @dataclass(frozen=True)
 class ProposerContext:
     """What a factory may build from: the engine's settings and, when one is loaded, the draft
-    (``draft_kind`` one of ``specserve.draft.loading.DRAFT_KINDS``; ``draft`` what that kind
+    (``draft_kind`` one of ``specserve.draft.loading.RUNS_AS``; ``draft`` what that kind
     runs on: a ``ModelRunner`` for a draft model, an ``EagleRunner`` for an EAGLE head)."""
 
     settings: EngineConfig = field(default_factory=EngineConfig)
@@ -72,9 +72,9 @@ class ProposerRegistry:
     def register(self, spec: ProposerSpec) -> None:
         if spec.name in (OFF, AUTO) or spec.name in self.specs:
             raise ValueError(f"proposer name {spec.name!r} is taken")
-        if spec.needs_draft is not None and spec.needs_draft not in DRAFT_KINDS:
+        if spec.needs_draft is not None and spec.needs_draft not in RUNS_AS:
             raise ValueError(f"proposer {spec.name!r} needs an unknown draft kind "
-                             f"{spec.needs_draft!r}; known: {', '.join(DRAFT_KINDS)}")
+                             f"{spec.needs_draft!r}; known: {', '.join(RUNS_AS)}")
         if spec.auto_candidate and (spec.needs_draft or self.auto_candidate() is not None):
             raise ValueError("auto has one model-free candidate")
         if spec.reads_prediction and (spec.needs_draft or self.prediction_method() is not None):

@@ -348,17 +348,18 @@ def _version(module: Any) -> str:
 def check_draft_compatible(
     target: ModelConfig, draft: ModelConfig, target_tokenizer: Any, draft_tokenizer: Any
 ) -> None:
-    """A draft must speak the target's vocabulary: same vocab size and, when both ship a
+    """A draft model must speak the target's vocabulary: same vocab size and, when both ship a
     tokenizer, the same token -> id table. Anything else would verify meaningless ids."""
+    fix = ("give a draft with the target's tokenizer (`specserve distill` makes one), or "
+           "enable a cross-tokenizer draft method for this one")
     if draft.vocab_size != target.vocab_size:
         raise ModelLoadError(
-            f"draft model vocabulary ({draft.vocab_size} tokens) differs from the target's "
-            f"({target.vocab_size}); use a draft trained with the target's tokenizer "
-            f"(`specserve distill` makes one)"
+            f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the "
+            f"target's ({target.vocab_size}): it has another tokenizer; {fix}"
         )
     if target_tokenizer is not None and draft_tokenizer is not None:
         if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
             raise ModelLoadError(
-                "draft model tokenizer differs from the target's (same size, different "
-                "token ids); use a draft trained with the target's tokenizer"
+                f"the draft model's tokenizer differs from the target's (same size, different "
+                f"token ids); {fix}"
             )

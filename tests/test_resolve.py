@@ -118,7 +118,7 @@ def test_speculative_method_names_and_drafts():
     with pytest.raises(ConfigError,
                        match="must be one of draft, eagle, ngram, suffix, prediction, auto, off"):
         resolve_speculative_method("medusa", None, REGISTRY)
-    with pytest.raises(ConfigError, match="draft needs --draft-model PATH"):
+    with pytest.raises(ConfigError, match="draft needs --draft-model FILE.gguf"):
         resolve_speculative_method("draft", None, REGISTRY)
     with pytest.raises(ConfigError, match="is an EAGLE head, not a draft model: use "
                                           "--speculative-method eagle"):

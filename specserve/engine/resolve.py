@@ -40,7 +40,7 @@ import torch
 
 from specserve.core.config import DTYPES, EngineConfig
 from specserve.core.errors import ConfigError
-from specserve.draft.loading import DRAFT_KINDS, DraftSource, open_draft
+from specserve.draft.loading import RUNS_AS, DraftSource, how_to_give, open_draft
 from specserve.draft.registry import REGISTRY, ProposerRegistry
 from specserve.kernels.attention_form import has_bf16_products
 from specserve.kernels.registry import resolve_attention_backend
@@ -64,7 +64,7 @@ _MAX_DEFAULT_CONTEXT = 8192
 
 @dataclass(frozen=True)
 class DraftChoice:
-    kind: str  # specserve.draft.loading.DRAFT_KINDS
+    kind: str  # what it runs as: specserve.draft.loading.RUNS_AS
     path: str
 
 
@@ -201,12 +201,12 @@ def resolve_speculative_method(asked: str | None, draft: DraftSource | None,
     kind = None if draft is None else draft.kind
     spec = registry.specs.get(asked) if asked is not None else None
     if spec is not None and spec.needs_draft is not None and spec.needs_draft != kind:
-        needed = DRAFT_KINDS[spec.needs_draft]
         if draft is None:
-            raise ConfigError(f"speculative-method {asked} needs {needed.how}")
+            raise ConfigError(f"speculative-method {asked} needs {how_to_give(spec.needs_draft)}")
         usable = " or ".join(registry.for_draft(draft.kind)) or "another method"
-        raise ConfigError(f"{draft.path} is {DRAFT_KINDS[draft.kind].what}, not {needed.what}: "
-                          f"use --speculative-method {usable} (or leave it unset)")
+        raise ConfigError(f"{draft.path} is {RUNS_AS[draft.kind]}, not "
+                          f"{RUNS_AS[spec.needs_draft]}: use --speculative-method {usable} "
+                          f"(or leave it unset)")
     return asked if asked is not None else registry.default_method(kind)
 
 

@@ -1,4 +1,5 @@
-"""Random valid GGUF blocks of every type with a kernel, built in the test (no download)."""
+"""Random valid GGUF blocks of every type with a kernel, built in the test (no download), and
+GGUF files written with typed (quantized) tensors."""
 
 from __future__ import annotations
 
