@@ -79,8 +79,11 @@ class DraftSource(Protocol):
 def open_draft(path: str) -> DraftSource:
     """The draft at ``path`` (already located: a local folder or file). A folder written by
     ``specserve distill --method eagle`` is an EAGLE head; anything else a draft model."""
+    from specserve.draft.eagle3_source import Eagle3HeadSource, is_eagle3_dir
     from specserve.draft.eagle_head import is_eagle_dir
 
+    if is_eagle3_dir(path):  # a published EAGLE-3 layout (EAGLE/SpecForge, vLLM, speculators)
+        return Eagle3HeadSource(path)
     return EagleHeadSource(path) if is_eagle_dir(path) else DraftModelSource(path)
 
 
