@@ -156,6 +156,10 @@ class Eagle3Head(nn.Module):
         """A chained hidden [N, H] -> float32 logits [N, Vd]."""
         return self.lm_head(hidden if self.options.norm_output else self.norm(hidden)).float()
 
+    def saved_state(self) -> dict[str, torch.Tensor]:
+        """Trainable tensors plus the head ids (rotary tables and embeddings excluded)."""
+        return {k: v for k, v in self.state_dict().items() if "rotary" not in k}
+
     def quantize(self, fmt: str = "q8_0") -> dict[str, str]:
         """Inference only: the projections become block-quantized (``kernels.quant``) and the
         norms, rotary and MLP run the fused float32 ops, as a quantized target's draft does."""

@@ -133,11 +133,11 @@ def test_quantized_target_runs_a_quantized_head_and_stays_lossless(target):
     path, head, _ = target
     engine = make(path, head, quantization="int8", attention_backend="auto")
     eagle = engine.speculator.proposers["eagle"]
-    projections = [eagle.head.fc, eagle.head.in_proj, eagle.head.lm_head,
+    projections = [eagle.head.fc, eagle.head.lm_head,
                    eagle.head.layer.self_attn.qkv_proj, eagle.head.layer.mlp.down_proj]
     assert all(isinstance(m, BlockQuantLinear) and m.fmt == "q8_0" for m in projections)
     if quant_ext.available():
-        assert eagle.head.layer.fused is not None
+        assert eagle.head.layer.self_attn.fused is not None
 
         model, layers = engine.runner.model, eagle.target_layers
         ids = torch.tensor(prompts([14], seed=4)[0])
@@ -251,7 +251,6 @@ def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
     head = build_head(hf_config, state, torch.arange(hf_config.vocab_size), (0,))
     torch.manual_seed(0)
     with torch.no_grad():
-        head.in_proj.weight[:, hf_config.hidden_size:] = 0
         for p in head.layer.parameters():
             p.add_(0.03 * torch.randn_like(p))
     train = teacher_data(str(path), 160, 8, 40, seed=3)

@@ -266,3 +266,47 @@ def test_unsupported_heads_are_refused_by_name(target, heads, tmp_path):
     save_file(tensors, nomap / "model.safetensors")
     with pytest.raises(ModelLoadError, match="no d2t map"):
         make(path, nomap)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without")
+def test_a_distilled_head_loads_back_through_the_speculators_package(target, tmp_path):
+    """``specserve distill --method eagle`` saves the speculators layout: the speculators
+    package's own loader reads it (config schema, names, vocab maps, aux ids in its input-of-
+    layer convention), and its forward drafts what ours does on the same inputs."""
+    pytest.importorskip("speculators", reason="the speculators test extra (make test-deps)")
+    from speculators import SpeculatorModel
+
+    from specserve.distill.eagle_build import build_head, save_head
+
+    path, hf = target
+    hf_config, state = load_weights(path)
+    head = build_head(hf_config, state, DRAFT_IDS, (1, 3, 4))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    folder = tmp_path / "head"
+    save_head(head, hf_config, folder, {}, dtype=torch.float32, target_path=path)
+    theirs = SpeculatorModel.from_pretrained(str(folder))
+    assert list(theirs.config.eagle_aux_hidden_state_layer_ids) == [2, 4, 5]
+    assert theirs.config.draft_vocab_size == len(DRAFT_IDS)
+    assert torch.equal(theirs.d2t + torch.arange(len(DRAFT_IDS)), DRAFT_IDS)
+    assert torch.equal(theirs.t2d.nonzero().flatten(), DRAFT_IDS)
+    assert torch.equal(theirs.fc.weight, head.fc.weight)
+    assert torch.equal(theirs.embed_tokens.weight, hf.model.embed_tokens.weight)
+
+    ours = load_eagle3(folder, ModelConfig.from_hf(hf_config), hf.model.embed_tokens.weight,
+                       torch.float32, "cpu")
+    assert ours.meta.target_layers == (1, 3, 4)
+    n = 12
+    ids = torch.tensor(prompts([n], seed=6)[0])
+    aux = torch.randn(n, 3 * 64, generator=g)
+    shifted = torch.cat([torch.zeros(1, 3 * 64), aux[:-1]])  # position p reads p - 1's states
+    with torch.no_grad():
+        drafted = theirs(hidden_states=shifted[None], input_ids=ids[None],
+                         document_ids=torch.zeros(1, n, dtype=torch.long), ttt_steps=1)[0]
+    runner = EagleRunner(ours, num_blocks=16, block_size=4, dtype=torch.float32,
+                         device=torch.device("cpu"), backend=get_attention_backend("torch", "cpu"))
+    meta = AttentionMetadata.build([n], [n], [list(range(16))], 4, "cpu")
+    out = runner.step(ids, ours.fuse(shifted), token_positions([n], [n]), meta)
+    assert torch.equal(ours.logits(out).argmax(-1), drafted[0])
