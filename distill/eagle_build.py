@@ -12,7 +12,8 @@ speculators path and llama.cpp's converter read too: ``config.json`` with
 (the verifier it was trained for), ``eagle_aux_hidden_state_layer_ids`` (INPUTS of target
 layers, so our captured layer i is written as i + 1) and the weights under the published names
 (q/k/v and gate/up unfused, ``d2t`` / ``t2d`` when the head vocabulary is reduced). The
-embedding table is not saved: every reader takes it from the target.
+target's embedding table is saved too, as speculators itself saves it: its loader leaves a
+missing table uninitialized unless it can reach the verifier's files.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def published_state(head: Eagle3Head) -> dict[str, torch.Tensor]:
             out[f"layers.0.mlp.gate_proj.{leaf}"], out[f"layers.0.mlp.up_proj.{leaf}"] = gate, up
         else:
             out[f"layers.0.{rest}"] = t
+    out["embed_tokens.weight"] = head.embed
     ids = head.head_token_ids.cpu()
     if len(ids) != head.meta.vocab_size:  # speculators keeps the maps only for a reduced vocab
         out["d2t"] = ids - torch.arange(len(ids))
