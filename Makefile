@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PROMPT ?= What is speculative decoding? Answer in two sentences.
 
 
-.PHONY: install chromium serve generate test test-fast lint bench llama-server clean
+.PHONY: install test-deps chromium serve generate test test-fast lint bench llama-server clean
 
 $(BIN)/specserve: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,12 +46,25 @@ chromium:
 		echo "Chromium missing and no root/sudo to install it: the browser test skips"; \
 	fi
 
-test: install chromium
+# The speculators package writes the EAGLE-3 heads tests/test_eagle3.py loads and reads back
+# the heads `specserve distill --method eagle` writes. It pins torchvision, torchaudio and an
+# older transformers, none of which its config and model classes use: --no-deps keeps the CPU
+# torch and our transformers, and the list after it is what those classes import.
+SPECULATORS_DEPS := speculators==0.9.0 hs-connectors==0.9.0 "datasets<=5.1.0" pyarrow pandas \
+	dill xxhash multiprocess loguru httpx httpcore protobuf python-dateutil pytz tzdata six
+
+$(VENV)/.speculators: $(BIN)/specserve
+	$(BIN)/pip install -q --no-deps $(SPECULATORS_DEPS)
+	touch $@
+
+test-deps: $(VENV)/.speculators
+
+test: install test-deps chromium
 	$(BIN)/python -m pytest
 
 # The quick subset: no slow, end-to-end, browser or Ray tests (markers in pyproject.toml);
 # under two minutes on 2 CPU cores.
-test-fast: install
+test-fast: install test-deps
 	$(BIN)/python -m pytest -m "not slow and not e2e and not browser and not ray"
 
 lint: install

@@ -1,5 +1,6 @@
 """`specserve distill --method eagle`: teacher shards -> head vocabulary -> EAGLE head -> training
--> OUT/eagle (a folder for --draft-model).
+-> OUT/eagle (a folder for --draft-model, in the speculators
+layout vLLM and llama.cpp read too).
 
     DATA (default OUT/data/train)  teacher shards (specserve.distill.data.TeacherData; only
                                    tokens and prompt_lens are read). Missing: generated first, as
@@ -102,11 +103,12 @@ def run_eagle(cfg: EagleConfig) -> Path:
     params = sum(p.numel() for p in head.saved_state().values() if p.is_floating_point())
     card = {
         "target": str(model_path),
-        "architecture": f"EAGLE head: fc over target layers {list(layers)} + in_proj over "
-                        f"[token embedding, feature] + 1 x decoder layer of the target's "
-                        f"architecture (hidden {hf_config.hidden_size}) + norm + head over "
-                        f"{len(head_ids)} tokens; target embeddings shared; {params / 1e6:.1f}M "
-                        f"parameters ({2 * params / 2**20:.1f} MiB in bfloat16)",
+        "architecture": f"EAGLE-3 head (speculators layout): fc over the outputs of target "
+                        f"layers {list(layers)} + 1 x decoder layer of the target's "
+                        f"architecture with q/k/v over [token embedding, hidden] (hidden "
+                        f"{hf_config.hidden_size}) + norm + head over {len(head_ids)} tokens; "
+                        f"target embeddings shared; {params / 1e6:.1f}M parameters "
+                        f"({2 * params / 2**20:.1f} MiB in bfloat16)",
         "data": f"{len(train_data)} target responses ({response_tokens} tokens) from "
                 f"{data_dir}; {len(val_data)} held-out responses never trained on",
         "training": f"{steps} steps of {asdict(replace(cfg.train, max_minutes=None))}",
@@ -117,5 +119,6 @@ def run_eagle(cfg: EagleConfig) -> Path:
         "minutes": f"training {(time.monotonic() - t0) / 60:.1f} on {device}",
     }
     out = cfg.out / "eagle"
-    save_head(head, hf_config, out, card)
+    save_head(head, hf_config, out, card, target_path=str(model_path),
+              speculative_tokens=cfg.train.ttt_steps)
     return out

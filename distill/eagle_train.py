@@ -1,4 +1,4 @@
-"""Training loop of the EAGLE head: features recomputed online, training-time test, resumable.
+"""Training loop of the EAGLE-3 head: features recomputed online, training-time test, resumable.
 
 Per batch of teacher sequences (``TeacherData``: only ``tokens`` and ``prompt_lens`` are read):
   1. the target runs once, without gradients (transformers' implementation of its
@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from specserve.distill.data import TeacherData
 from specserve.distill.eagle_ttt import ttt_forward
-from specserve.draft.eagle_head import EagleHead
+from specserve.draft.eagle3_head import Eagle3Head
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class Teacher:
     """The frozen target: hidden states of the head's layers and log-probs over the head's
     vocabulary, for a padded batch."""
 
-    def __init__(self, hf_config: Any, state: dict[str, torch.Tensor], head: EagleHead,
+    def __init__(self, hf_config: Any, state: dict[str, torch.Tensor], head: Eagle3Head,
                  device: torch.device) -> None:
         from transformers import AutoModel
 
@@ -154,7 +154,7 @@ class Teacher:
 
 
 def batch_loss(
-    head: EagleHead, teacher: Teacher, batch: Batch, cfg: EagleTrainConfig, train: bool,
+    head: Eagle3Head, teacher: Teacher, batch: Batch, cfg: EagleTrainConfig, train: bool,
     autocast: contextlib.AbstractContextManager,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """(weighted loss, per step: bool [N_j] head argmax == teacher's next token, per step the
@@ -213,7 +213,7 @@ def lr_at(step: int, cfg: EagleTrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
-def evaluate(head: EagleHead, teacher: Teacher, batches: list[Batch], cfg: EagleTrainConfig,
+def evaluate(head: Eagle3Head, teacher: Teacher, batches: list[Batch], cfg: EagleTrainConfig,
              autocast: contextlib.AbstractContextManager, device: torch.device) -> EvalMetrics:
     head.eval()
     loss, n = 0.0, 0
@@ -235,7 +235,7 @@ def evaluate(head: EagleHead, teacher: Teacher, batches: list[Batch], cfg: Eagle
 
 
 def train_head(
-    head: EagleHead, teacher: Teacher, train_data: TeacherData, val_data: TeacherData,
+    head: Eagle3Head, teacher: Teacher, train_data: TeacherData, val_data: TeacherData,
     cfg: EagleTrainConfig, checkpoint: Path, curve: Path | None = None,
 ) -> tuple[int, EvalMetrics | None]:
     """Trains ``head`` in place (resuming from ``checkpoint``). Appends one JSON line per

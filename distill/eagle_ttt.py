@@ -1,4 +1,4 @@
-"""The EAGLE head's training forward: "training-time test" (TTT) over padded batches.
+"""The EAGLE-3 head's training forward: "training-time test" (TTT) over padded batches.
 
 Drafting at inference runs the head S times in a chain: step 0 at the last real position reads
 the TARGET's feature of the position before; step j >= 1 reads the head's OWN output of step
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.draft.eagle_head import EagleHead
+from specserve.draft.eagle3_head import Eagle3Head
 from specserve.kernels.rotary import apply_rotary
 
 
@@ -61,7 +61,7 @@ def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor
 
 
 def ttt_forward(
-    head: EagleHead, input_ids: torch.Tensor, target_feats: torch.Tensor, steps: int,
+    head: Eagle3Head, input_ids: torch.Tensor, target_feats: torch.Tensor, steps: int,
     noise: float = 0.0, rows: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """input_ids [B, L]; target_feats [B, L, len(layers) * hidden] (the target's hidden states
@@ -85,8 +85,8 @@ def ttt_forward(
     vs: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
     for j in range(steps):
-        x = head.in_proj(torch.cat([emb, feats], dim=-1))  # [B, L, hidden]
-        qkv = attn.qkv_proj(layer.input_layernorm(x))
+        x, residual = layer.attn_input(emb, feats)  # [B, L, 2 * hidden], [B, L, hidden]
+        qkv = attn.qkv_proj(x)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q = q.view(B, L, attn.num_heads, attn.head_dim)
         k = k.view(B, L, attn.num_kv_heads, attn.head_dim)
@@ -97,8 +97,8 @@ def ttt_forward(
         ks.append(k)
         vs.append(v)
         o = ttt_attention(q, ks, vs, attn.scale).reshape(B, L, attn.q_size)
-        h = x + attn.o_proj(o)
-        out = h + layer.mlp(layer.post_attention_layernorm(h))  # [B, L, hidden]
+        h = residual + attn.o_proj(o)
+        out = head.chained(h + layer.mlp(layer.post_attention_layernorm(h)))  # [B, L, hidden]
         outs.append(out if rows is None else out[rows[j]])
         feats = shift_right(out)  # the next step reads this step's output at p - 1
     return outs

@@ -111,8 +111,24 @@ def _open_eagle_head(path: str) -> DraftSource:
     return EagleHeadSource(path)
 
 
+def _is_eagle3_head(path: Path) -> bool:
+    from specserve.draft.eagle3_source import is_eagle3_dir
+
+    return is_eagle3_dir(str(path))
+
+
+def _open_eagle3_head(path: str) -> DraftSource:
+    from specserve.draft.eagle3_source import Eagle3HeadSource
+
+    return Eagle3HeadSource(path)
+
+
 # Detected in this order, first match wins: specific markers before the folder they sit in.
 DRAFT_KINDS: tuple[DraftKind, ...] = (
+    DraftKind("eagle3_head", EAGLE_HEAD, "a published EAGLE-3 head",
+              "--draft-model DIR, an EAGLE-3 head folder in the EAGLE/SpecForge, vLLM/AngelSlim "
+              "or speculators layout (what `specserve distill --method eagle` writes)",
+              _is_eagle3_head, _open_eagle3_head),
     DraftKind("eagle_head", EAGLE_HEAD, "an EAGLE head",
               "--draft-model DIR, a head folder written by `specserve distill --method eagle`",
               _is_eagle_head, _open_eagle_head),
@@ -149,7 +165,7 @@ def open_draft(path: str) -> DraftSource:
     return detect_kind(path).open(path)
 
 
-def _draft_backend(target: DraftTarget) -> AttentionBackend:
+def draft_backend(target: DraftTarget) -> AttentionBackend:
     backend = target.attn_backend
     return backend.for_float32_caches() if isinstance(backend, CpuPagedAttention) else backend
 
@@ -205,7 +221,7 @@ class DraftModelSource:
         # speculation off never commits or touches it.
         runner = ModelRunner(config, model, num_blocks=target.num_blocks,
                              block_size=target.block_size, dtype=target.dtype,
-                             device=target.device, attn_backend=_draft_backend(target),
+                             device=target.device, attn_backend=draft_backend(target),
                              lazy_kv=True)
         return LoadedDraft(self.kind, runner, model, "draft", traced=model)
 
@@ -245,5 +261,5 @@ class EagleHeadSource:
             head.quantize("q8_0")
         runner = EagleRunner(head, num_blocks=target.num_blocks, block_size=target.block_size,
                              dtype=target.dtype, device=target.device,
-                             backend=_draft_backend(target))
+                             backend=draft_backend(target))
         return LoadedDraft(self.kind, runner, head, "eagle")

@@ -2,7 +2,7 @@
 captured target features equal transformers' hidden states, greedy output with the head equals
 transformers' greedy generate() (batching, chunked prefill, preemption, prefix caching), the
 sampled distribution equals the target's (chi-square), a head trained on a target's own output
-drafts nearly k + 1 tokens per verify, and the CLI trains from tokens-only shards, resumes and
+drafts better, as the trainer estimates, and the CLI trains from tokens-only shards, resumes and
 evaluates."""
 
 from __future__ import annotations
@@ -133,11 +133,11 @@ def test_quantized_target_runs_a_quantized_head_and_stays_lossless(target):
     path, head, _ = target
     engine = make(path, head, quantization="int8", attention_backend="auto")
     eagle = engine.speculator.proposers["eagle"]
-    projections = [eagle.head.fc, eagle.head.in_proj, eagle.head.lm_head,
+    projections = [eagle.head.fc, eagle.head.lm_head,
                    eagle.head.layer.self_attn.qkv_proj, eagle.head.layer.mlp.down_proj]
     assert all(isinstance(m, BlockQuantLinear) and m.fmt == "q8_0" for m in projections)
     if quant_ext.available():
-        assert eagle.head.layer.fused is not None
+        assert eagle.head.layer.self_attn.fused is not None
 
         model, layers = engine.runner.model, eagle.target_layers
         ids = torch.tensor(prompts([14], seed=4)[0])
@@ -235,13 +235,13 @@ def teacher_data(path, n: int, plen: int, new: int, seed: int) -> TeacherData:
 
 
 @pytest.mark.slow
-def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
-    """A one-layer target: a head that ignores its feature and copies the target's layer is an
-    exact imitation, reachable by training. The head starts from a noisy copy (and an unused
-    feature input) and learns the target's own greedy output. Drafting through the engine on
-    the trained prompts must then reach nearly k + 1 tokens per verify, and on prompts never
-    trained on it must get what the trainer's held-out estimate says (the small data set
-    generalizes only partly; that is training quality, not plumbing)."""
+def test_head_trained_on_the_targets_output_drafts_better_and_as_estimated(tmp_path):
+    """A one-layer target and a head (EAGLE-3: q/k/v read the token's embedding, the residual
+    is the previous position's target state, so no exact imitation exists) starting from a
+    noisy copy of the target's layer learns the target's own greedy output: the trainer's
+    held-out estimate of tokens per verify rises, and drafting through the engine gets what
+    that estimate says, on held-out prompts and above the untrained estimate on trained ones
+    (the training forward and the engine's chain are the same computation)."""
     path = tmp_path / "target"
     hf = build_tiny_model(path, tiny_config(max_position_embeddings=512, num_hidden_layers=1))
     with torch.no_grad():  # a peaked target distribution: clear margins to learn
@@ -251,7 +251,6 @@ def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
     head = build_head(hf_config, state, torch.arange(hf_config.vocab_size), (0,))
     torch.manual_seed(0)
     with torch.no_grad():
-        head.in_proj.weight[:, hf_config.hidden_size:] = 0
         for p in head.layer.parameters():
             p.add_(0.03 * torch.randn_like(p))
     train = teacher_data(str(path), 160, 8, 40, seed=3)
@@ -262,7 +261,6 @@ def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
     _, before = train_head(head, teacher, train, val, replace(cfg, steps=0), tmp_path / "a.pt")
     _, after = train_head(head, teacher, train, val, cfg, tmp_path / "ck.pt")
     assert before is not None and after is not None
-    assert after.tokens_per_verify > before.tokens_per_verify + 1.0
     # float32: the tiny target's margins are narrower than bfloat16 rounding of the weights
     save_head(head, hf_config, tmp_path / "head", {}, dtype=torch.float32)
     engine = make(str(path), str(tmp_path / "head"))
@@ -276,9 +274,12 @@ def test_head_trained_on_the_targets_output_drafts_nearly_k_plus_1(tmp_path):
         steps = sum(o.timings.num_verify_steps for o in outs)
         return (accepted + steps) / steps
 
-    trained = [t[:8].tolist() for t in train.tokens[:16]]
-    assert tokens_per_verify(trained) > 3.4  # k = 3: at most 4
-    assert abs(tokens_per_verify(prompts([8] * 16, seed=4)) - after.tokens_per_verify) < 0.4
+    trained = tokens_per_verify([t[:8].tolist() for t in train.tokens[:16]])
+    heldout = tokens_per_verify(prompts([8] * 16, seed=4))
+    assert after.agree[0] > before.agree[0] + 0.05  # measured 0.075 -> 0.147
+    assert after.tokens_per_verify > before.tokens_per_verify + 0.08  # 1.13 -> 1.25
+    assert trained > before.tokens_per_verify + 0.08  # measured 1.33
+    assert abs(heldout - after.tokens_per_verify) < 0.15  # measured 1.15 vs 1.25
 
 
 @pytest.mark.slow

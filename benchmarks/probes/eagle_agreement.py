@@ -34,7 +34,8 @@ from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # 
 from specserve.distill.data import PROMPTS_FILE, load_prompts  # noqa: E402
 from specserve.distill.eagle_ttt import ttt_forward  # noqa: E402
 from specserve.distill.evaluate import _per_position  # noqa: E402
-from specserve.draft.eagle_head import EagleHead, load_head  # noqa: E402
+from specserve.draft.eagle3_head import Eagle3Head  # noqa: E402
+from specserve.draft.eagle3_source import load_eagle3  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 from specserve.kernels.metadata import AttentionMetadata  # noqa: E402
 from specserve.target.model import FeatureCapture  # noqa: E402
@@ -62,7 +63,7 @@ def features(eng: LLMEngine, ids: list[int], layers: tuple[int, ...]) -> torch.T
 
 
 @torch.no_grad()
-def agreement(head: EagleHead, seqs: list[tuple[list[int], int]], feats: list[torch.Tensor],
+def agreement(head: Eagle3Head, seqs: list[tuple[list[int], int]], feats: list[torch.Tensor],
               span: tuple[int, int] = (0, 1 << 30)) -> list[float]:
     """Per TTT step j: head argmax at p (chain started at p - j inside the response) == token
     p + 1, over all sequences; only chains starting ``span`` tokens into the response."""
@@ -112,8 +113,8 @@ def main() -> None:
     texts = {"quantized": [(c + o.token_ids, len(c)) for c, o in
                            zip(chats, quant.generate(chats, greedy, off))]}
     if args.quantized_only:
-        head = load_head(args.eagle, ref.model_config, ref.runner.model.embed_tokens.weight,
-                         torch.float32, "cpu")
+        head = load_eagle3(args.eagle, ref.model_config, ref.runner.model.embed_tokens.weight,
+                           torch.float32, "cpu")
         seqs = texts["quantized"]
         feats = [features(quant, ids, head.meta.target_layers) for ids, _ in seqs]
         by_depth = {f"{a}-{b - 1}": agreement(head, seqs, feats, (a, b))
@@ -130,8 +131,8 @@ def main() -> None:
     out["engine_first_position_cold_cache"] = acceptance(
         engine(args.eagle, "auto", args.num_threads, caching=False), chats, args.tokens, False)
     out["engine_first_position_after_plain_run"] = acceptance(quant, chats, args.tokens, True)
-    head = load_head(args.eagle, ref.model_config, ref.runner.model.embed_tokens.weight,
-                     torch.float32, "cpu")
+    head = load_eagle3(args.eagle, ref.model_config, ref.runner.model.embed_tokens.weight,
+                       torch.float32, "cpu")
     layers = head.meta.target_layers
     for text_name, seqs in texts.items():
         for feat_name, eng in (("quantized", quant), ("float32", ref)):
