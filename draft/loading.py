@@ -25,7 +25,7 @@ from specserve.kernels.registry import AttentionBackend
 from specserve.target.config import ModelConfig
 from specserve.target.model import CausalLM
 
-DRAFT_MODEL, EAGLE_HEAD = "draft_model", "eagle_head"
+DRAFT_MODEL, EAGLE_HEAD, TEXT_DRAFT = "draft_model", "eagle_head", "text_draft"
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,9 @@ DRAFT_KINDS = {
                                             "tokenizer"),
     EAGLE_HEAD: DraftKind("an EAGLE head", "--draft-model DIR, a head folder written by "
                                            "`specserve distill --method eagle`"),
+    TEXT_DRAFT: DraftKind("a draft model with another tokenizer",
+                          "--draft-model PATH, a small LM with its own tokenizer (`default`: "
+                          "the built-in SmolLM2-135M-Instruct)"),
 }
 
 
@@ -76,15 +79,26 @@ class DraftSource(Protocol):
     def build(self, target: DraftTarget) -> LoadedDraft: ...
 
 
-def open_draft(path: str) -> DraftSource:
+def open_draft(path: str, target: ModelConfig | None = None) -> DraftSource:
     """The draft at ``path`` (already located: a local folder or file). A folder written by
-    ``specserve distill --method eagle`` is an EAGLE head; anything else a draft model."""
+    ``specserve distill --method eagle`` is an EAGLE head; anything else a draft model, one
+    with another tokenizer when its vocabulary's size differs from ``target``'s (a draft
+    distilled for the target, which shares its embeddings, never is)."""
     from specserve.draft.eagle_head import is_eagle_dir
 
-    return EagleHeadSource(path) if is_eagle_dir(path) else DraftModelSource(path)
+    if is_eagle_dir(path):
+        return EagleHeadSource(path)
+    source = DraftModelSource(path)
+    if target is not None and source.weights.config.vocab_size != target.vocab_size:
+        meta = getattr(source.weights.hf_config, "specserve_draft", None) or {}
+        if meta.get("embeddings") != "target":
+            from specserve.draft.text_source import TextDraftSource
+
+            return TextDraftSource(path, source.weights)
+    return source
 
 
-def _draft_backend(target: DraftTarget) -> AttentionBackend:
+def draft_backend(target: DraftTarget) -> AttentionBackend:
     backend = target.attn_backend
     return backend.for_float32_caches() if isinstance(backend, CpuPagedAttention) else backend
 
@@ -120,7 +134,7 @@ class DraftModelSource:
         # speculation off never commits or touches it.
         runner = ModelRunner(config, model, num_blocks=target.num_blocks,
                              block_size=target.block_size, dtype=target.dtype,
-                             device=target.device, attn_backend=_draft_backend(target),
+                             device=target.device, attn_backend=draft_backend(target),
                              lazy_kv=True)
         return LoadedDraft(self.kind, runner, model, "draft", traced=model)
 
@@ -150,5 +164,5 @@ class EagleHeadSource:
             head.quantize("q8_0")
         runner = EagleRunner(head, num_blocks=target.num_blocks, block_size=target.block_size,
                              dtype=target.dtype, device=target.device,
-                             backend=_draft_backend(target))
+                             backend=draft_backend(target))
         return LoadedDraft(self.kind, runner, head, "eagle")
