@@ -92,8 +92,9 @@ def open_draft(path: str, target: ModelConfig | None = None) -> DraftSource:
     if target is not None and source.weights.config.vocab_size != target.vocab_size:
         meta = getattr(source.weights.hf_config, "specserve_draft", None) or {}
         if meta.get("embeddings") != "target":
-            from specserve.draft.text_source import TextDraftSource
+            from specserve.draft.text_source import TextDraftSource, check_has_tokenizer
 
+            check_has_tokenizer(path, source.weights.config.vocab_size, target.vocab_size)
             return TextDraftSource(path, source.weights)
     return source
 

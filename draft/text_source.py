@@ -9,11 +9,32 @@ hands the blocks out per sequence. The KV is allocated when the draft first runs
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from specserve.core.errors import ModelLoadError
 from specserve.draft.loading import TEXT_DRAFT, DraftTarget, LoadedDraft, draft_backend
-from specserve.target.loader import Weights
+from specserve.target.loader import Weights, is_gguf
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_has_tokenizer(path: str, draft_vocab: int, target_vocab: int) -> None:
+    """A draft with another vocabulary drafts text: without a tokenizer it cannot."""
+    p = Path(path)
+    if is_gguf(p):
+        from gguf import GGUFReader
+
+        found = "tokenizer.ggml.model" in GGUFReader(p).fields
+    else:
+        found = any((p / n).is_file() for n in _TOKENIZER_FILES)
+    if not found:
+        raise ModelLoadError(
+            f"draft model vocabulary ({draft_vocab} tokens) differs from the target's "
+            f"({target_vocab}) and {path} carries no tokenizer: a draft with another "
+            f"vocabulary drafts text, so it needs its own tokenizer (or use a draft trained "
+            f"with the target's tokenizer: `specserve distill` makes one)")
 
 
 class TextDraftSource:
@@ -30,7 +51,7 @@ class TextDraftSource:
 
     def build(self, target: DraftTarget) -> LoadedDraft:
         from specserve.draft.text_draft import TextDraft
-        from specserve.target.loader import build_model, is_gguf
+        from specserve.target.loader import build_model
         from specserve.target.model_runner import ModelRunner
         from specserve.target.quantize import quantize_model
 
