@@ -88,10 +88,11 @@ def target_continuation(tokenizer: Any, ids: Sequence[int], text: str, *, final:
     tokenization would merge across), ``text`` alone is tokenized, kept only if the two
     decode to exactly the window's text followed by ``text``.
 
-    Unless ``final`` (the draft ended its text), the tail that may still change when more text
-    follows is dropped: the last token (a word may go on), then any whitespace-only ones
-    before it (runs of spaces split differently in front of a word), but never a special
-    token (it never merges)."""
+    Unless ``final`` (the draft ended its text), the tokens that may still change when more
+    text follows are dropped: those of the text's last pre-token (a word may go on, a run of
+    spaces splits differently in front of a word), found by the tokenizer's own pre-tokenizer;
+    without one, the last token and whitespace-only ones before it. A special token at the
+    end never merges: it stays."""
     n = len(ids)
     s = max(0, n - _CONTEXT)
     window = decode(tokenizer, ids[s:n])
@@ -100,16 +101,34 @@ def target_continuation(tokenizer: Any, ids: Sequence[int], text: str, *, final:
         window = decode(tokenizer, ids[s:n])
     complete = window.rstrip(_REPLACEMENT)  # the bytes of an unfinished character are held
     out: list[int] = []
-    joined, _ = encode(tokenizer, complete + text)
+    ends: list[int] = []  # of ``out``, in the text ``complete + text``
+    joined, joined_ends = encode(tokenizer, complete + text)
     if joined[: n - s] == list(ids[s:n]):
-        out = joined[n - s:]
+        out, ends = joined[n - s:], joined_ends[n - s:]
     elif complete == window:
-        alone, _ = encode(tokenizer, text)
+        alone, alone_ends = encode(tokenizer, text)
         if alone and decode(tokenizer, [*ids[s:n], *alone]) == window + text:
-            out = alone
-    if not final:
-        if out and out[-1] not in special_ids:
+            out, ends = alone, [len(complete) + e for e in alone_ends]
+    if final or not out or out[-1] in special_ids:
+        return out
+    cut = _last_piece_start(tokenizer, complete + text)
+    if cut is not None:
+        while out and ends[-1] > cut:
             out.pop()
-        while out and out[-1] not in special_ids and not decode(tokenizer, out[-1:]).strip():
-            out.pop()
+            ends.pop()
+        return out
+    out.pop()
+    while out and out[-1] not in special_ids and not decode(tokenizer, out[-1:]).strip():
+        out.pop()
     return out
+
+
+def _last_piece_start(tokenizer: Any, text: str) -> int | None:
+    """Where the tokenizer's pre-tokenizer starts the last piece of ``text`` (None: it has
+    none we can run)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    pre = getattr(backend, "pre_tokenizer", None)
+    if pre is None:
+        return None
+    pieces = pre.pre_tokenize_str(text)
+    return int(pieces[-1][1][0]) if pieces else 0
