@@ -45,9 +45,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     tokenizer: Annotated[str | None, _help(
         "tokenizer folder/file (default: the model's own)")] = None
     draft_model: Annotated[str | None, _help(
-        "draft model for speculative decoding, same tokenizer as the target, or an EAGLE head "
-        "folder (`specserve distill --method eagle`); 'none' for no draft (default: the "
-        "shipped distilled draft when the target is the built-in model)")] = None
+        "draft model for speculative decoding: one with the target's tokenizer, one with "
+        "another tokenizer (method text_draft; `default` names the built-in SmolLM2-135M), or "
+        "an EAGLE head folder (`specserve distill --method eagle`); 'none' for no draft "
+        "(default: the shipped distilled draft when the target is the built-in model)")] = None
     speculative_method: Annotated[str | None, _help(
         "speculative method of requests that name none: a proposer, auto (per step and "
         "sequence, the proposer with the best expected goodput; none when nothing pays) or "
