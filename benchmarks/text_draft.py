@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=["off", "text_draft"])
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--fixed-k", type=int, default=0,
+                    help="turn the adaptive policy off and draft this many tokens every step "
+                         "(0: the engine's default, adaptive)")
     args = ap.parse_args(argv)
 
     from specserve.core.config import EngineConfig
@@ -98,22 +101,25 @@ def main(argv: list[str] | None = None) -> int:
     from specserve.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=args.model, draft_model=args.draft_model))
+    fixed = ({"adaptive_speculation": False, "num_speculative_tokens": args.fixed_k}
+             if args.fixed_k else {})
+    engine = LLMEngine(EngineConfig(model=args.model, draft_model=args.draft_model, **fixed))
     print(f"engine ready in {time.perf_counter() - t0:.0f} s; caveat: "
           f"{engine.config.speculation_caveat}", flush=True)
     tok = engine.tokenizer
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    report: dict = {"model": args.model, "draft_model": args.draft_model,
+    report: dict = {"model": args.model, "draft_model": args.draft_model, "fixed_k": args.fixed_k,
                     "max_tokens": args.max_tokens, "workloads": {}}
     for workload in args.workloads:
         raw = json.loads((ROOT / "prompts" / f"{workload}.json").read_text())[: args.prompts]
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True) for p in raw]
-        stats = {m: ModeStats() for m in args.modes}
-        current = [args.modes[0]]
+        stats = {m: ModeStats() for m in [*args.modes, "warm-up"]}
+        current = ["warm-up"]
         _record_positions(engine, stats, current)
         answers: dict[int, list[int]] = {}  # prompt -> the first mode's tokens
-        engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm
+        engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
+        del stats["warm-up"]
         for r in range(args.rounds):
             order = args.modes[r % len(args.modes):] + args.modes[: r % len(args.modes)]
             for mode in order:

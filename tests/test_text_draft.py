@@ -203,3 +203,25 @@ def test_sampled_distribution_equals_target(pair):
     assert drafted > counts.sum() / 2 and accepted > 0
     chi2, bound = chi_square(counts, expected)
     assert chi2 < bound, (chi2, bound)
+
+
+def test_auto_prices_and_picks_the_text_draft(pair, monkeypatch):
+    """Under auto, the text draft is one more model proposer the policy prices (uses_model):
+    with draft steps a tenth of a target step's cost, from a prompt the suffix cache has
+    never seen, it drafts, and the answer stays exact."""
+    from specserve.spec.policy import _LinearCost
+    from tests.helpers.speculation import with_fixed_costs
+
+    *_, hf, tok, _, _ = pair
+    engine = with_fixed_costs(_engine(pair, speculative_method="auto",
+                                      adaptive_speculation=True))
+    engine.speculator.policy.draft_cost = _LinearCost(fixed=0.001, per_unit=0.0)
+    proposer = engine.speculator.proposers["text_draft"]
+    assert proposer.uses_model
+    calls = []
+    real = proposer.propose
+    monkeypatch.setattr(proposer, "propose", lambda reqs: calls.append(len(reqs)) or real(reqs))
+    p = tok(CYCLE, add_special_tokens=False)["input_ids"][:10]  # less than a cycle: no repeat
+    (out,) = engine.generate([p], GREEDY)
+    assert out.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
+    assert calls and out.timings.num_accepted > 0

@@ -405,8 +405,13 @@ class Speculator:
                 active = sum(1 for s in group if s.num_lookahead > i)
                 self.policy.record_draft_step(active, secs)
             ids = [s.seq.seq_id for s in group]
-            for sid, tokens in zip(ids, proposal.draft_token_ids):
-                out.tokens[sid] = tokens
+            for s, tokens in zip(group, proposal.draft_token_ids):
+                out.tokens[s.seq.seq_id] = tokens
+                if len(tokens) < s.num_lookahead:
+                    # A draft it could not make (a draft with another tokenizer holds back a
+                    # word that may go on) cost its forwards like one that failed: priced so.
+                    self.policy.record_acceptance(s.seq.seq_id, stats_key(s.seq, name),
+                                                  s.num_lookahead - len(tokens), 0)
             if proposal.kv_computed is not None:
                 for sid, kv in zip(ids, proposal.kv_computed):
                     self.states[sid].kv_after = kv
