@@ -24,9 +24,9 @@ def check_has_tokenizer(path: str, draft_vocab: int, target_vocab: int) -> None:
     """A draft with another vocabulary drafts text: without a tokenizer it cannot."""
     p = Path(path)
     if is_gguf(p):
-        from gguf import GGUFReader
+        from specserve.target.gguf_file import GGUFFile
 
-        found = "tokenizer.ggml.model" in GGUFReader(p).fields
+        found = "tokenizer.ggml.model" in GGUFFile(p).fields
     else:
         found = any((p / n).is_file() for n in _TOKENIZER_FILES)
     if not found:
