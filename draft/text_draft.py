@@ -181,8 +181,9 @@ class TextDraftProposer:
             keep -= 1  # never cut between the bytes of one character
         cut = st.ends[keep - 1] if keep else st.base
         new_ids, new_ends = encode(tok, st.text[cut - st.base:])
-        st.ids = st.ids[:keep] + new_ids
-        st.ends = st.ends[:keep] + [cut + e for e in new_ends]
+        del st.ids[keep:], st.ends[keep:]  # in place: no copy of the whole context
+        st.ids.extend(new_ids)
+        st.ends.extend(cut + e for e in new_ends)
         st.num_context = len(st.ids)
         st.kv = min(st.kv, keep)
         st.drafted = ""
