@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.core.errors import ConfigError, ModelLoadError
+from specserve.core.errors import ConfigError, InvalidRequestError, ModelLoadError
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from specserve.draft.loading import TEXT_DRAFT, open_draft
 from specserve.draft.text_align import TargetText, decode, target_continuation
@@ -67,6 +67,9 @@ def test_text_draft_is_recognized_and_its_methods_named(pair):
     assert source.kind == TEXT_DRAFT
     with pytest.raises(ConfigError, match="text_draft"):
         make(target, draft_model=draft, speculative_method="draft", kernel_tuning=False)
+    engine = _engine(pair)
+    with pytest.raises(InvalidRequestError, match="this server's draft runs text_draft"):
+        engine.generate([[5, 6]], GREEDY, SpeculativeParams("draft"))
 
 
 @pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 7},

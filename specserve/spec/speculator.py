@@ -150,9 +150,13 @@ class Speculator:
         if k is None:
             k = self.registry.k_max(method, self.settings)
         if not self.available(method):
+            # a draft of another kind is loaded: name the methods it runs
+            usable = [n for n in self.proposers
+                      if n in self.registry.specs and self.registry.specs[n].needs_draft]
+            hint = f"; this server's draft runs {', '.join(usable)}" if usable else ""
             raise InvalidRequestError(
-                f"speculative.method {method!r} needs a server started with --draft-model",
-                param="speculative.method",
+                f"speculative.method {method!r} needs a server started with --draft-model "
+                f"of its kind{hint}", param="speculative.method",
             )
         if method == OFF or k <= 0:
             method, k = OFF, 0
