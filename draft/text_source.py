@@ -64,11 +64,13 @@ class TextDraftSource:
                 f"({vocab[1]}), and {whose} carries no tokenizer: a draft with another "
                 f"vocabulary drafts text, so both models need their tokenizer (or use a draft "
                 f"trained with the target's tokenizer: `specserve distill` makes one)")
-        config, model = build_model(self.weights, target.dtype, target.device)
+        # Beside a quantized target the draft runs blocks too: its own GGUF blocks when it is
+        # one (built from them, never through float), else Q8_0, on the same fused kernels.
+        own_blocks = target.quantized and is_gguf(self.path)
+        config, model = build_model(self.weights, target.dtype, target.device,
+                                    native_blocks=own_blocks)
         if target.quantized:
-            # Beside a quantized target the draft runs blocks too: its own GGUF blocks when it
-            # is one, else Q8_0, on the same fused kernels.
-            quantize_model(model, "gguf" if is_gguf(self.path) else "int8", self.path)
+            quantize_model(model, "gguf" if own_blocks else "int8", self.path)
         runner = ModelRunner(config, model, num_blocks=target.num_blocks,
                              block_size=target.block_size, dtype=target.dtype,
                              device=target.device, attn_backend=draft_backend(target),
