@@ -37,8 +37,9 @@ from specserve.target.config import ModelConfig
 from specserve.target.model import CausalLM
 
 # What a loaded draft runs as: the runner its proposers drive (``ProposerSpec.needs_draft``).
-DRAFT_MODEL, EAGLE_HEAD = "draft_model", "eagle_head"
-RUNS_AS = {DRAFT_MODEL: "a draft model", EAGLE_HEAD: "an EAGLE head"}
+DRAFT_MODEL, EAGLE_HEAD, TEXT_DRAFT = "draft_model", "eagle_head", "text_draft"
+RUNS_AS = {DRAFT_MODEL: "a draft model", EAGLE_HEAD: "an EAGLE head",
+           TEXT_DRAFT: "a draft model with another tokenizer"}
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,16 @@ DRAFT_KINDS: tuple[DraftKind, ...] = (
 )
 
 
+# A draft model whose vocabulary differs from the target's runs as a text draft: decided when
+# the target is known (``open_draft``), not by the path.
+_TEXT_DRAFT_HOW = ("--draft-model PATH, a small LM with its own tokenizer, a GGUF file or an HF "
+                   "folder (`default`: the built-in SmolLM2-135M-Instruct)")
+
+
 def how_to_give(runs_as: str) -> str:
     """How to give a draft that runs as ``runs_as``, every kind that does: for messages."""
+    if runs_as == TEXT_DRAFT:
+        return _TEXT_DRAFT_HOW
     return "; or ".join(k.how for k in DRAFT_KINDS if k.runs_as == runs_as)
 
 
@@ -160,9 +169,23 @@ def detect_kind(path: str) -> DraftKind:
                          f"give {accepted}")
 
 
-def open_draft(path: str) -> DraftSource:
-    """The draft at ``path``, opened (read, not built) as the kind ``detect_kind`` finds."""
-    return detect_kind(path).open(path)
+def open_draft(path: str, target: ModelConfig | None = None) -> DraftSource:
+    """The draft at ``path``, opened (read, not built) as the kind ``detect_kind`` finds. A
+    draft model whose vocabulary's size differs from ``target``'s runs as a text draft (one
+    distilled for the target, which shares its embeddings, never does)."""
+    source = detect_kind(path).open(path)
+    if target is None or not isinstance(source, DraftModelSource):
+        return source
+    draft = source.weights.config
+    if draft.vocab_size == target.vocab_size:
+        return source
+    meta = getattr(source.weights.hf_config, "specserve_draft", None) or {}
+    if meta.get("embeddings") == "target":
+        return source  # refused at build, with the distilled draft's message
+    from specserve.draft.text_source import TextDraftSource, check_has_tokenizer
+
+    check_has_tokenizer(path, draft.vocab_size, target.vocab_size)
+    return TextDraftSource(path, source.weights)
 
 
 def draft_backend(target: DraftTarget) -> AttentionBackend:

@@ -18,7 +18,7 @@ from typing import Any
 
 from specserve.core.config import EngineConfig
 from specserve.draft.base import Proposer
-from specserve.draft.loading import DRAFT_MODEL, EAGLE_HEAD, RUNS_AS
+from specserve.draft.loading import DRAFT_MODEL, EAGLE_HEAD, RUNS_AS, TEXT_DRAFT
 
 OFF, AUTO = "off", "auto"
 
@@ -151,6 +151,12 @@ def _draft(ctx: ProposerContext) -> Proposer:
     return DraftModelProposer(ctx.draft, ctx.settings.block_size, ctx.probs_fn, ctx.settings.seed)
 
 
+def _text_draft(ctx: ProposerContext) -> Proposer:
+    from specserve.draft.text_draft import TextDraftProposer
+
+    return TextDraftProposer(ctx.draft, ctx.settings.block_size)
+
+
 def _eagle(ctx: ProposerContext) -> Proposer:
     from specserve.draft.eagle import EagleProposer
 
@@ -167,6 +173,9 @@ def default_registry() -> ProposerRegistry:
     reg = ProposerRegistry()
     reg.register(ProposerSpec("draft", _draft, needs_draft=DRAFT_MODEL,
                               help="a small LM with the target's tokenizer"))
+    reg.register(ProposerSpec("text_draft", _text_draft, needs_draft=TEXT_DRAFT,
+                              help="a small LM with another tokenizer: it drafts text, the "
+                                   "target verifies its own tokens of it (exact)"))
     reg.register(ProposerSpec("eagle", _eagle, needs_draft=EAGLE_HEAD,
                               needs_target_features=True, default_with_draft=True,
                               help="a one-layer head on the target's hidden states "

@@ -71,7 +71,7 @@ def test_each_kind_is_detected(drafts):
     assert detect_kind(str(drafts / "head")).name == "eagle_head"
     assert {k.runs_as for k in DRAFT_KINDS} <= set(RUNS_AS)
     assert [k.name for k in DRAFT_KINDS if k.runs_as == DRAFT_MODEL] == ["gguf", "hf_folder"]
-    assert [k.name for k in DRAFT_KINDS if k.runs_as == EAGLE_HEAD] == ["eagle_head"]
+    assert [k.name for k in DRAFT_KINDS if k.runs_as == EAGLE_HEAD] == ["eagle3_head", "eagle_head"]
 
 
 @pytest.mark.parametrize("make, hint", [

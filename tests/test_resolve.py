@@ -116,7 +116,8 @@ def test_speculative_method_names_and_drafts():
     assert resolve_speculative_method("auto", head, REGISTRY) == "auto"
     assert resolve_speculative_method("ngram", None, REGISTRY) == "ngram"
     with pytest.raises(ConfigError,
-                       match="must be one of draft, eagle, ngram, suffix, prediction, auto, off"):
+                       match="must be one of draft, text_draft, eagle, ngram, suffix, "
+                             "prediction, auto, off"):
         resolve_speculative_method("medusa", None, REGISTRY)
     with pytest.raises(ConfigError, match="draft needs --draft-model FILE.gguf"):
         resolve_speculative_method("draft", None, REGISTRY)

@@ -99,7 +99,8 @@ def test_request_scope_engine_learns_nothing_across_requests(models):
 def test_registry_names_and_unknown_method_errors(models):
     assert {"draft", "ngram", "suffix"} <= set(REGISTRY.names())
     with pytest.raises(UnknownProposerError,
-                       match="known: draft, eagle, ngram, suffix, prediction, auto, off"):
+                       match="known: draft, text_draft, eagle, ngram, suffix, prediction, "
+                             "auto, off"):
         REGISTRY.get("medusa")
     target, _, _ = models
     with pytest.raises(ConfigError, match="suffix, prediction, auto, off"):  # the server's flag

@@ -45,10 +45,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     tokenizer: Annotated[str | None, _help(
         "tokenizer folder/file (default: the model's own)")] = None
     draft_model: Annotated[str | None, _help(
-        "draft for speculative decoding, its kind detected from the path: an EAGLE head "
-        "folder (`specserve distill --method eagle`), a GGUF file or an HF folder of a small "
-        "model with the target's tokenizer; 'none' for no draft (default: the shipped "
-        "distilled draft when the target is the built-in model)")] = None
+        "draft for speculative decoding, its kind detected from the path: an EAGLE head folder "
+        "(published EAGLE-3 layouts, or `specserve distill --method eagle`), a GGUF file or an "
+        "HF folder of a small model: with the target's tokenizer it runs as method draft, with "
+        "another as text_draft (`default` names the built-in SmolLM2-135M); 'none' for no "
+        "draft (default: the shipped distilled draft when the target is the built-in "
+        "model)")] = None
     speculative_method: Annotated[str | None, _help(
         "speculative method of requests that name none: a proposer, auto (per step and "
         "sequence, the proposer with the best expected goodput; none when nothing pays) or "

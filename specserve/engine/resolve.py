@@ -134,7 +134,8 @@ class ModelFiles:
         model_path = resolve_model_path(asked.model)
         draft_spec = resolve_draft(asked.model, asked.draft_model)
         target = read_weights(model_path)
-        draft = None if draft_spec is None else open_draft(resolve_model_path(draft_spec))
+        draft = (None if draft_spec is None
+                 else open_draft(resolve_model_path(draft_spec), target.config))
         return cls(model_path, target, draft)
 
 

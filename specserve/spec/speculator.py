@@ -150,9 +150,13 @@ class Speculator:
         if k is None:
             k = self.registry.k_max(method, self.settings)
         if not self.available(method):
+            # a draft of another kind is loaded: name the methods it runs
+            usable = [n for n in self.proposers
+                      if n in self.registry.specs and self.registry.specs[n].needs_draft]
+            hint = f"; this server's draft runs {', '.join(usable)}" if usable else ""
             raise InvalidRequestError(
-                f"speculative.method {method!r} needs a server started with --draft-model",
-                param="speculative.method",
+                f"speculative.method {method!r} needs a server started with --draft-model "
+                f"of its kind{hint}", param="speculative.method",
             )
         if method == OFF or k <= 0:
             method, k = OFF, 0
@@ -405,8 +409,13 @@ class Speculator:
                 active = sum(1 for s in group if s.num_lookahead > i)
                 self.policy.record_draft_step(active, secs)
             ids = [s.seq.seq_id for s in group]
-            for sid, tokens in zip(ids, proposal.draft_token_ids):
-                out.tokens[sid] = tokens
+            for s, tokens in zip(group, proposal.draft_token_ids):
+                out.tokens[s.seq.seq_id] = tokens
+                if len(tokens) < s.num_lookahead:
+                    # A draft it could not make (a draft with another tokenizer holds back a
+                    # word that may go on) cost its forwards like one that failed: priced so.
+                    self.policy.record_acceptance(s.seq.seq_id, stats_key(s.seq, name),
+                                                  s.num_lookahead - len(tokens), 0)
             if proposal.kv_computed is not None:
                 for sid, kv in zip(ids, proposal.kv_computed):
                     self.states[sid].kv_after = kv

@@ -1,0 +1,230 @@
+"""A draft model with another tokenizer (``text_draft``): greedy output identical to plain
+decoding and to transformers, the sampled distribution equal to the target's, stops and UTF-8
+characters split across token edges, the draft's KV following the accepted text, and how such a
+draft is recognized and refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.core.errors import ConfigError, InvalidRequestError, ModelLoadError
+from specserve.core.sampling_params import SamplingParams, SpeculativeParams
+from specserve.draft.loading import TEXT_DRAFT, open_draft
+from specserve.draft.text_align import TargetText, decode, target_continuation
+from specserve.draft.text_draft import TextDraftProposer
+from tests.helpers.reference import chi_square, exact_second_token_distribution, hf_greedy
+from tests.helpers.speculation import make
+from tests.helpers.text_pair import (
+    CYCLE,
+    DRAFT_CYCLE,
+    bigram_model,
+    small_bpe_tokenizer,
+)
+from tests.helpers.tiny_models import MARGINS, build_tiny_model, default_tokenizer, tiny_config
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(target dir, draft dir, target's transformers model, target tokenizer, draft dir of a
+    random draft whose attention matters): the target speaks a small BPE, the drafts the
+    default model's tokenizer."""
+    root = tmp_path_factory.mktemp("text_pair")
+    target_tok = small_bpe_tokenizer()
+    hf = bigram_model(root / "target", target_tok, CYCLE)
+    bigram_model(root / "draft", default_tokenizer(), DRAFT_CYCLE, seed=1)
+    tok = default_tokenizer()
+    cfg = tiny_config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    draft_hf = build_tiny_model(root / "random_draft", cfg, init=MARGINS, tokenizer=tok, seed=3)
+    return (str(root / "target"), str(root / "draft"), hf, target_tok,
+            str(root / "random_draft"), draft_hf)
+
+
+def _engine(pair, draft=None, **kw):
+    target, bigram_draft, *_ = pair
+    kw.setdefault("speculative_method", "text_draft")
+    return make(target, draft_model=draft or bigram_draft, kernel_tuning=False, **kw)
+
+
+def _prompts(tok) -> list[list[int]]:
+    """Prompts that end at every kind of edge: a word, mid-word, and inside the emoji's and
+    the CJK characters' bytes (the target's tokens split them)."""
+    ids = tok(CYCLE * 3, add_special_tokens=False)["input_ids"]
+    period = len(ids) // 3
+    emoji = period + CYCLE.index("😀") + 2  # a token index inside the emoji's 4 bytes
+    return [ids[: period + 3], ids[: period + 7], ids[: emoji], ids[: emoji + 6],
+            ids[: 2 * period + 14]]
+
+
+def test_text_draft_is_recognized_and_its_methods_named(pair):
+    target, draft, *_ = pair
+    from specserve.target.loader import read_weights
+
+    source = open_draft(draft, read_weights(target).config)
+    assert source.kind == TEXT_DRAFT
+    with pytest.raises(ConfigError, match="text_draft"):
+        make(target, draft_model=draft, speculative_method="draft", kernel_tuning=False)
+    engine = _engine(pair)
+    with pytest.raises(InvalidRequestError, match="this server's draft runs text_draft"):
+        engine.generate([[5, 6]], GREEDY, SpeculativeParams("draft"))
+
+
+@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 7},
+                                       {"num_speculative_tokens": 2}])
+def test_greedy_identical_to_transformers_and_plain(pair, engine_kw):
+    *_, hf, tok, _, _ = pair
+    engine = _engine(pair, **engine_kw)
+    ps = _prompts(tok)
+    outs = engine.generate(ps, GREEDY)
+    plain = engine.generate(ps, GREEDY, SpeculativeParams("off"))
+    for p, o, q in zip(ps, outs, plain):
+        assert o.token_ids == q.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
+        assert o.text == q.text
+    drafted = sum(o.timings.num_drafted for o in outs)
+    accepted = sum(o.timings.num_accepted for o in outs)
+    # the draft follows the cycle's text except at one word: most drafts pass, some do not
+    assert 0 < accepted < drafted and accepted > drafted / 3, (accepted, drafted)
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+    proposer = engine.speculator.proposers["text_draft"]
+    assert not proposer.seqs  # every sequence's draft state and blocks are back
+    assert len(proposer.free_blocks) == proposer.runner.num_blocks
+
+
+def test_stop_strings_across_token_edges_identical_to_plain(pair):
+    *_, tok, _, _ = pair
+    engine = _engine(pair)
+    p = _prompts(tok)[0]
+    for stop in ["中", "😀", "文*", "urn", "y\nd", "😀+中"]:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
+        (a,) = engine.generate([p], params, SpeculativeParams("off"))
+        (b,) = engine.generate([p], params)
+        assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+        assert a.finish_reason == "stop" and stop not in a.text
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+
+
+def test_draft_kv_holds_the_accepted_texts_tokens(pair, monkeypatch):
+    """Each time the draft drafts, the tokens it runs on are its tokenizer's tokens of exactly
+    the target's text so far (whatever was rejected before), and what it drafts from its KV
+    equals transformers' greedy run of the draft model over those tokens from scratch: no
+    KV of a rejected draft survives."""
+    *_, tok, random_dir, draft_hf = pair
+    engine = _engine(pair, draft=random_dir)
+    proposer: TextDraftProposer = engine.speculator.proposers["text_draft"]
+    draft_tok = proposer.draft.tokenizer
+    real = proposer._run_draft
+    checked = []
+
+    def checked_run(jobs):
+        contexts = [list(st.ids[: st.num_context]) for _, st, _ in jobs]
+        out = real(jobs)
+        for ctx, tokens in zip(contexts, out):
+            checked.append((ctx, tokens))
+        return out
+
+    monkeypatch.setattr(proposer, "_run_draft", checked_run)
+    texts = {}
+    real_propose = proposer.propose
+
+    def propose(requests):
+        for r in requests:
+            full = decode(tok, r.token_ids)
+            texts[len(checked)] = full.rstrip("\ufffd")
+        return real_propose(requests)
+
+    monkeypatch.setattr(proposer, "propose", propose)
+    ps = _prompts(tok)[1:3]
+    for p in ps:
+        (out,) = engine.generate([p], GREEDY)
+        assert out.timings.num_drafted > out.timings.num_accepted  # rejections happened
+    assert len(checked) > 10
+    for i, (ctx, tokens) in enumerate(checked):
+        assert decode(draft_tok, ctx) == texts[i]
+        assert tokens == hf_greedy(draft_hf, ctx, len(tokens)), i
+
+
+def test_target_continuation_edges():
+    """The draft's text as target tokens: the boundary token is kept only when final, the
+    target's own tokens before it must be reproduced, a character the target has only begun
+    is completed by the continuation."""
+    tok = small_bpe_tokenizer()
+    ids = tok("def(x): ret", add_special_tokens=False)["input_ids"]
+    specials = frozenset(tok.all_special_ids)
+    cont = target_continuation(tok, ids, "urn 😀+", final=False, special_ids=specials)
+    assert decode(tok, ids + cont) == "def(x): return 😀"[: len(decode(tok, ids + cont))]
+    whole = tok("def(x): return 😀+", add_special_tokens=False)["input_ids"]
+    assert ids + cont == whole[: len(ids) + len(cont)] and len(cont) < len(whole) - len(ids)
+    final = target_continuation(tok, ids, "urn 😀+", final=True, special_ids=specials)
+    assert ids + final == whole
+    emoji = tok("x 😀", add_special_tokens=False)["input_ids"]
+    begun = emoji[:-2]  # the target emitted the emoji's first two bytes
+    rest = target_continuation(tok, begun, "😀+", final=True, special_ids=specials)
+    assert begun + rest == tok("x 😀+", add_special_tokens=False)["input_ids"]
+    eos = target_continuation(tok, ids, "urn<|endoftext|>", final=False, special_ids=specials)
+    assert eos[-1] == tok.eos_token_id  # a special token never merges: it stays
+
+
+def test_target_text_holds_back_unfinished_characters():
+    tok = small_bpe_tokenizer()
+    ids = tok("ab 😀中c", add_special_tokens=False)["input_ids"]
+    reader = TargetText()
+    text = "".join(reader.advance(tok, ids, end) for end in range(1, len(ids) + 1))
+    assert text == "ab 😀中c"
+    partial = TargetText()
+    first = partial.advance(tok, ids, len(ids) - 2)  # inside 中's bytes
+    assert "\ufffd" not in first and "ab 😀".startswith(first)
+
+
+def test_draft_without_tokenizer_is_refused(pair, tmp_path):
+    target, *_ = pair
+    build_tiny_model(tmp_path, tiny_config(vocab_size=301))
+    with pytest.raises(ModelLoadError, match="vocabulary.*no tokenizer"):
+        make(target, draft_model=str(tmp_path), kernel_tuning=False)
+
+
+@pytest.mark.slow
+def test_sampled_distribution_equals_target(pair):
+    """The second token comes out of a verify step of text drafts (k = 1); its distribution
+    must equal the target's exact float64 marginal."""
+    *_, hf, tok, _, _ = pair
+    prompt = _prompts(tok)[0]
+    temperature = 1.0
+    expected = exact_second_token_distribution(hf, prompt, temperature)
+    engine = _engine(pair, max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=3000,
+                     seed=5)
+    params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
+    counts = torch.zeros_like(expected)
+    drafted = accepted = 0
+    for _ in range(12):
+        for o in engine.generate([prompt] * 250, params, SpeculativeParams("text_draft", 1)):
+            counts[o.token_ids[1]] += 1
+            drafted += o.timings.num_drafted
+            accepted += o.timings.num_accepted
+    assert drafted > counts.sum() / 2 and accepted > 0
+    chi2, bound = chi_square(counts, expected)
+    assert chi2 < bound, (chi2, bound)
+
+
+def test_auto_prices_and_picks_the_text_draft(pair, monkeypatch):
+    """Under auto, the text draft is one more model proposer the policy prices (uses_model):
+    with draft steps a tenth of a target step's cost, from a prompt the suffix cache has
+    never seen, it drafts, and the answer stays exact."""
+    from specserve.spec.policy import _LinearCost
+    from tests.helpers.speculation import with_fixed_costs
+
+    *_, hf, tok, _, _ = pair
+    engine = with_fixed_costs(_engine(pair, speculative_method="auto",
+                                      adaptive_speculation=True))
+    engine.speculator.policy.draft_cost = _LinearCost(fixed=0.001, per_unit=0.0)
+    proposer = engine.speculator.proposers["text_draft"]
+    assert proposer.uses_model
+    calls = []
+    real = proposer.propose
+    monkeypatch.setattr(proposer, "propose", lambda reqs: calls.append(len(reqs)) or real(reqs))
+    p = tok(CYCLE, add_special_tokens=False)["input_ids"][:10]  # less than a cycle: no repeat
+    (out,) = engine.generate([p], GREEDY)
+    assert out.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
+    assert calls and out.timings.num_accepted > 0
