@@ -370,3 +370,51 @@ def test_default_model_forced_calls_validate():
     for method in ("ngram", "suffix", "draft", "auto"):
         outs = engine.generate([prompt] * 2, params, SpeculativeParams(method=method))
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain], method
+
+
+@pytest.mark.e2e
+def test_openapi_states_the_tool_rules(server):
+    """The document of a server whose template takes tools: valid, a forced-call body and a
+    round-trip conversation valid by it, the bodies the server refuses invalid by it (n > 1
+    with tools, a forced choice without tools or beside response_format, tool_calls on a user
+    message); real answers, streamed and not, conform."""
+    from openapi_spec_validator import validate
+
+    status, doc = http("GET", server.url + "/openapi.json")
+    assert status == 200
+    validate(doc)
+    root = {"components": doc["components"]}
+
+    def schema(name):
+        return jsonschema.Draft202012Validator(
+            {"$ref": f"#/components/schemas/{name}", **root})
+
+    req = schema("ChatCompletionRequest")
+    forced = {"messages": MSGS, "tools": TOOLS, "tool_choice": "required", "max_tokens": 40}
+    req.validate(forced)
+    req.validate({"messages": CONVERSATION, "tools": TOOLS, "n": 2, "tool_choice": "none"})
+    for bad in ({**forced, "n": 2}, {"messages": MSGS, "tool_choice": "required"},
+                {**forced, "response_format": {"type": "json_object"}},
+                {"messages": [{"role": "user", "content": "x",
+                               "tool_calls": CONVERSATION[1]["tool_calls"]}]}):
+        assert not req.is_valid(bad), bad
+        status, reply = http("POST", server.url + "/v1/chat/completions", bad)
+        assert status == 400, reply
+    status, reply = http("POST", server.url + "/v1/chat/completions",
+                         {**forced, "temperature": 0})
+    assert status == 200 and reply["choices"][0]["message"]["tool_calls"], reply
+    schema("ChatResponse").validate(reply)
+    import urllib.request
+
+    body = json.dumps({**forced, "temperature": 0, "stream": True}).encode()
+    r = urllib.request.Request(server.url + "/v1/chat/completions", data=body, method="POST",
+                               headers={"Authorization": f"Bearer {KEY}",
+                                        "Content-Type": "application/json"})
+    with urllib.request.urlopen(r, timeout=120) as resp:
+        events = [line[6:] for line in resp.read().decode().splitlines()
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    for chunk in chunks:
+        schema("ChatChunk").validate(chunk)
+    assert any(c["choices"] and c["choices"][0]["delta"].get("tool_calls") for c in chunks)
