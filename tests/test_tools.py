@@ -390,7 +390,8 @@ def test_openapi_states_the_tool_rules(server):
             {"$ref": f"#/components/schemas/{name}", **root})
 
     req = schema("ChatCompletionRequest")
-    forced = {"messages": MSGS, "tools": TOOLS, "tool_choice": "required", "max_tokens": 40}
+    forced = {"messages": MSGS, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
+              "parallel_tool_calls": False}
     req.validate(forced)
     req.validate({"messages": CONVERSATION, "tools": TOOLS, "n": 2, "tool_choice": "none"})
     for bad in ({**forced, "n": 2}, {"messages": MSGS, "tool_choice": "required"},
