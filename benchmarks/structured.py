@@ -4,6 +4,7 @@ speculation under a JSON schema vs constrained plain decoding on a tool-call-lik
 Writes a section of benchmarks/RESULTS.md.
 
     python benchmarks/structured.py [--rounds 3] [--methods suffix,ngram,draft,auto] [--no-write]
+                                    [--workload schema|tools]
 
 Workload: chat prompts asking for a function call (weather, calendar, e-mail, search), each
 answered under one JSON schema of the kind tool calls use ({"name": enum, "arguments": {...}}),
@@ -15,6 +16,12 @@ constrained, with speculation ``off`` and each method; the answers must be token
 the grammar's forced drafts (specserve/spec/grammar.py, ``forced_tokens``). Rounds alternate
 the modes; the median round counts. The suffix cache and the policy warm up in round 0, which
 is not counted.
+
+``--workload tools``: the same asks as chat requests with ``tools`` (the four functions, each with
+its own arguments schema) and ``tool_choice: "required"``, one call: the prompt rendered by a
+Hermes/Qwen-style template with the tools (the built-in model's own template renders none:
+tests/fixtures/hermes_template.jinja stands in), the answer under the forced-call grammar the
+server uses (core/tool_syntax.py, an xgrammar structural tag), its own RESULTS.md section.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from benchmarks.report import lscpu_summary, run_info, write_results_section  # 
 from specserve.core.config import EngineConfig  # noqa: E402
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams  # noqa: E402
 from specserve.core.structured import StructuredSpec  # noqa: E402
+from specserve.core.tool_syntax import ToolSyntax  # noqa: E402
 from specserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 TOOL_SCHEMA = {
@@ -72,6 +80,32 @@ def _prompts(engine: LLMEngine) -> list[str]:
                                 {"role": "user", "content": a}]) for a in ASKS]
 
 
+def _tools() -> list[dict]:
+    """The four functions of TOOL_SCHEMA as OpenAI tools, each with its own arguments."""
+    args = TOOL_SCHEMA["properties"]["arguments"]["properties"]
+
+    def params(*keys: str) -> dict:
+        return {"type": "object", "properties": {k: args[k] for k in keys},
+                "required": list(keys), "additionalProperties": False}
+
+    fns = {"get_weather": params("location", "unit", "days"),
+           "create_event": params("query", "location", "days"),
+           "send_email": params("query", "location"), "web_search": params("query")}
+    return [{"type": "function", "function": {"name": n, "parameters": p}}
+            for n, p in fns.items()]
+
+
+def _tool_workload(engine: LLMEngine) -> tuple[list[str], StructuredSpec]:
+    """Prompts rendered with the tools, and the forced-call grammar (tool_choice required)."""
+    engine.tokenizer.chat_template = (REPO / "tests" / "fixtures" /
+                                      "hermes_template.jinja").read_text()
+    tools = _tools()
+    prompts = [engine.render_chat([{"role": "user", "content": a}], tools) for a in ASKS]
+    fns = [(t["function"]["name"], t["function"]["parameters"]) for t in tools]
+    return prompts, StructuredSpec("structural_tag",
+                                   ToolSyntax("hermes").structural_tag(fns, False, {}), "tools")
+
+
 def _run(engine, prompts, params, method, concurrent: bool):
     """(seconds, outputs); concurrent: all prompts in one batch, else one after another.
     ``method`` "M-noforced": M without the grammar's forced drafts (the A/B of what they buy)."""
@@ -101,11 +135,15 @@ def main() -> int:
                     "auto,auto-noforced")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--workload", choices=["schema", "tools"], default="schema")
     args = ap.parse_args()
     info = run_info(sys.argv[1:], "python benchmarks/structured.py")
     engine = LLMEngine(EngineConfig())
-    prompts = _prompts(engine)
-    spec = StructuredSpec.json_schema(TOOL_SCHEMA, "response_format.json_schema.schema")
+    if args.workload == "tools":
+        prompts, spec = _tool_workload(engine)
+    else:
+        prompts = _prompts(engine)
+        spec = StructuredSpec.json_schema(TOOL_SCHEMA, "response_format.json_schema.schema")
     constrained = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=spec)
                    for _ in prompts]
     _, ref = _run(engine, prompts, constrained, "off", False)  # warm-up; the reference answers
@@ -147,15 +185,20 @@ def main() -> int:
                     f"| {t:.2f} s ({ntok / t:.1f} tok/s; drafted {d}, accepted {a}) | "
                     f"{plain / t:.2f}x |")
         print(rows[-1], flush=True)
-    intro = (f"{len(prompts)} tool-call prompts under one JSON schema (enum name, object of 4 "
-             f"arguments), greedy, {ntok} output tokens per round, median of {args.rounds} "
-             "rounds; speculative answers checked token-identical to plain. Overhead: decode + "
-             "sample ms per output token, constrained vs unconstrained (same prompts, same "
+    what = ("under one JSON schema (enum name, object of 4 arguments)" if args.workload ==
+            "schema" else "as chat requests with 4 tools and tool_choice \"required\" (one "
+            "Hermes call, its arguments under its function's schema)")
+    intro = (f"{len(prompts)} tool-call prompts {what}, greedy, {ntok} output tokens per "
+             f"round, median of {args.rounds} rounds; speculative answers checked "
+             "token-identical to plain. Overhead: decode + sample ms per output token, "
+             "constrained vs unconstrained (same prompts, same "
              f"token counts). lscpu: {lscpu_summary()}. Indicative: other jobs shared the CPU.")
     body = ["| what | baseline | with | ratio |", "|---|---|---|---|", *rows]
     if not args.no_write:
-        write_results_section("## Structured outputs: grammar overhead and speculation under a "
-                              "schema", info, intro, body)
+        title = ("## Structured outputs: grammar overhead and speculation under a schema"
+                 if args.workload == "schema" else
+                 "## Tool calls: grammar overhead and speculation under tool_choice required")
+        write_results_section(title, info, intro, body)
     return 0
 
 

@@ -26,6 +26,8 @@ class UnsupportedArchitectureError(ModelLoadError):
 # The error code of a schema, regex or grammar that does not compile (valid by the API's types:
 # whether it compiles is beyond what its JSON Schema can state).
 INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"
+# a named function missing from the tools, or two tools with one name
+INVALID_TOOLS = "invalid_tools"
 
 
 class InvalidRequestError(SpecServeError):

@@ -15,14 +15,17 @@ from typing import Literal
 
 from specserve.core.errors import INVALID_STRUCTURED_OUTPUT, InvalidRequestError
 
-Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
-KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
+Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "structural_tag"]
+KINDS: tuple[str, ...] = (
+    "json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True, slots=True)
 class StructuredSpec:
     """``text``: the JSON schema (JSON text), the regex, the EBNF grammar (xgrammar's GBNF-style
-    EBNF, ``root ::= ...``), or for ``choice`` the choices as a JSON list; "" for json_object."""
+    EBNF, ``root ::= ...``), for ``choice`` the choices as a JSON list, for ``structural_tag``
+    xgrammar's structural tag (JSON text: forced tool calls, see core/tool_syntax.py); "" for
+    json_object."""
 
     kind: Kind
     text: str

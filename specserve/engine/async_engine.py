@@ -294,10 +294,11 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(
             self._grammar_pool, self.engine.grammar_compiler.compile, spec)
 
-    async def render_chat(self, messages: list[dict]) -> str:
-        """The chat template, rendered on the text worker (templates are arbitrary Jinja)."""
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template, rendered on the text worker (templates are arbitrary Jinja);
+        ``tools``: OpenAI's tool definitions, for the template's ``tools`` argument."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._text_pool, self.engine.render_chat, messages)
+            self._text_pool, self.engine.render_chat, messages, tools)
 
     def abort(self, request_id: str) -> None:
         """Asks the engine to abort; the stream still receives the final "abort" output."""

@@ -71,8 +71,10 @@ def stream_holdback(stops: list[str]) -> int:
     return max((len(s) for s in stops), default=1) - 1
 
 
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """Renders chat messages with the model's own template (from its tokenizer)."""
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None) -> str:
+    """Renders chat messages with the model's own template (from its tokenizer); ``tools``
+    (OpenAI's function tools) go to the template's ``tools`` argument."""
     if getattr(tokenizer, "chat_template", None) is None:
         from specserve.core.errors import InvalidRequestError
 
@@ -81,6 +83,7 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
             "prompt",
             param="messages",
         )
+    kw = {} if tools is None else {"tools": tools}
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw
     )

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from specserve.core.errors import InvalidRequestError
 from specserve.core.sampling_params import SamplingParams, SpeculativeParams
+from specserve.core.tool_syntax import ToolSyntax
 from specserve.engine.async_engine import (
     AsyncEngine,
     EngineStepError,
@@ -35,6 +36,8 @@ from specserve.server.deadlines import Deadline, DeadlineTimer, RequestTimeoutEr
 from specserve.server.metrics import ServerMetrics
 from specserve.server.refusals import check_refused
 from specserve.server.server_config import ServerConfig
+from specserve.server.structured_fields import structured_spec
+from specserve.server.tool_fields import ToolRequest, tool_request
 from specserve.server.ws_messages import WsChatRequest, WsCompletionRequest
 
 log = structlog.get_logger("specserve.server.app")
@@ -91,6 +94,7 @@ class Job:
     logprobs: bool
     created: int = field(default_factory=lambda: int(time.time()))
     deadline: Deadline | None = None  # its timeout, or --request-timeout
+    tools: ToolRequest | None = None  # a chat request's tools: its answers are parsed for calls
 
 
 class Server:
@@ -105,6 +109,21 @@ class Server:
         self.started = int(time.time())
         self._token_text: dict[int, str] = {}
         self.openapi: bytes | None = None  # GET /openapi.json, built on first request
+        self._tool_syntax: tuple[ToolSyntax, dict[str, int]] | None = None
+
+    def tool_syntax(self) -> tuple[ToolSyntax, dict[str, int]]:
+        """The model's call syntax (from its chat template) and the call markers its tokenizer
+        holds as one special token (marker -> token id)."""
+        if self._tool_syntax is None:
+            tok = self.engine.engine.tokenizer
+            syntax = ToolSyntax.of_template(getattr(tok, "chat_template", None))
+            special: dict[str, int] = {}
+            for marker in syntax.markers:
+                ids = tok.encode(marker, add_special_tokens=False)
+                if len(ids) == 1 and tok.decode(ids, skip_special_tokens=True) == "":
+                    special[marker] = ids[0]
+            self._tool_syntax = (syntax, special)
+        return self._tool_syntax
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -123,20 +142,31 @@ class Server:
         envelope's fields."""
         arrival = asyncio.get_running_loop().time() if arrival is None else arrival
         deadline: Deadline | None = None
+        tools: ToolRequest | None = None
         if kind == "chat":
             chat = P.decode_request(
                 body, WsChatRequest if websocket else P.ChatCompletionRequest)
             check_refused(chat)
             deadline = Deadline.of(chat.timeout, self.config.request_timeout, arrival)
+            if chat.tools or chat.tool_choice not in (None, "none"):
+                if websocket:
+                    raise InvalidRequestError(
+                        "tools are not supported over the WebSocket (it streams raw tokens); "
+                        "use POST /v1/chat/completions", param="tools")
+                constrained = structured_spec(chat.response_format,
+                                              chat.structured_outputs) is not None
+                tools = tool_request(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
+                                     chat.n, constrained, *self.tool_syntax())
             messages = P.chat_messages(chat)
             try:
                 prompt: str | list[int] = await before_deadline(
-                    deadline, self.engine.render_chat(messages), self.metrics.observe_timeout)
+                    deadline, self.engine.render_chat(messages, tools and tools.tools),
+                    self.metrics.observe_timeout)
             except (InvalidRequestError, RequestTimeoutError):
                 raise
             except Exception as exc:  # the model's template rejected the conversation
                 raise InvalidRequestError(f"chat template failed: {exc}", "messages") from exc
-            params, clamp = P.chat_params(chat, self.engine.max_model_len)
+            params, clamp = P.chat_params(chat, self.engine.max_model_len, tools)
             seqs = [(prompt, p) for p in params]
             req: P._Common = chat
             logprobs = chat.logprobs
@@ -158,7 +188,7 @@ class Server:
         return Job(kind, f"{prefix}-{uuid.uuid4().hex}", self.model_name, seqs,
                    P.speculative_params(req), clamp, req.stream if stream is None else stream,
                    bool(req.stream_options and req.stream_options.include_usage), logprobs,
-                   deadline=deadline)
+                   deadline=deadline, tools=tools)
 
     async def admit(self, job: Job, tenant: str = "") -> list[RequestStream]:
         """``tenant``: the caller's API-key tenant (``tenant_of``); speculation drafts only

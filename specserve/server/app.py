@@ -168,9 +168,10 @@ async def openapi(request: web.Request) -> web.Response:
         engine = server.engine.engine
         spec = engine.speculator
         methods = [m for m in spec.registry.methods() if spec.available(m)]
+        syntax = server.tool_syntax()[0]
         server.openapi = _enc.encode(openapi_document(
             bool(server.config.api_key), engine.model_config.vocab_size, methods,
-            server.engine.max_model_len))
+            server.engine.max_model_len, None if syntax.name else syntax.reason))
     return web.Response(body=server.openapi, content_type="application/json")
 
 

@@ -8,8 +8,8 @@ not expressible in OpenAPI; the README describes its protocol.
 On top, ``_enforced`` states what the server checks beyond the Structs' types, so that the
 document accepts exactly the bodies the server accepts: the served model's bounds (token ids
 below its vocabulary, the speculation methods it runs), non-empty prompts and messages, one
-dependency between fields (``top_logprobs`` needs ``logprobs: true``), and each refused field as
-the values it accepts (``refusals.py``).
+dependency between fields (``top_logprobs`` needs ``logprobs: true``), the tool fields' rules
+(``_tool_rules``), and each refused field as the values it accepts (``refusals.py``).
 """
 
 from __future__ import annotations
@@ -87,8 +87,39 @@ def below_pattern(n: int) -> str:
     return "^(" + "|".join(dict.fromkeys(alts)) + ")$"
 
 
+def _tool_rules(components: dict[str, Any], refusal: str | None,
+                constraints: list[dict[str, Any]]) -> None:
+    """What the server checks of the tool fields (tool_fields.py): with tools (unless
+    tool_choice is "none") the template must render them (``refusal`` says why this model's
+    does not) and n must be 1; a forced call needs tools, and no other constraint (nor
+    min_tokens) beside it; only assistant messages carry tool_calls. A named function missing
+    from the tools, and two tools with one name, are beyond JSON Schema (400 invalid_tools)."""
+    chat = components["ChatCompletionRequest"]
+    has_tools = {"required": ["tools"], "properties": {"tools": {"type": "array",
+                                                                 "minItems": 1}}}
+    not_none = {"not": {"required": ["tool_choice"],
+                        "properties": {"tool_choice": {"const": "none"}}}}
+    forced = {"required": ["tool_choice"], "properties": {"tool_choice": {
+        "anyOf": [{"const": "required"}, {"type": "object"}]}}}
+    rules = [{"allOf": [forced, {"not": has_tools}]}]
+    if refusal is not None:
+        rules.append({"allOf": [has_tools, not_none]})
+        chat["properties"]["tools"]["description"] = (
+            f'400 unless empty or tool_choice is "none": {refusal}')
+    else:
+        many = {"required": ["n"], "properties": {"n": {"type": "integer", "minimum": 2}}}
+        rules.append({"allOf": [has_tools, not_none, many]})
+        rules += [{"allOf": [forced, has_tools, c]} for c in constraints]
+    chat["not"]["anyOf"] += rules
+    message = components["ChatMessage"]
+    message["if"] = {"required": ["role"],
+                     "properties": {"role": {"not": {"const": "assistant"}}}}
+    message["then"] = {"properties": {"tool_calls": {"anyOf": [
+        {"type": "null"}, {"type": "array", "maxItems": 0}]}}}
+
+
 def _enforced(components: dict[str, Any], vocab_size: int, methods: list[str],
-              max_model_len: int) -> None:
+              max_model_len: int, tools_refusal: str | None = None) -> None:
     """Writes into the generated schemas what the server checks beyond their types."""
     text = {"type": "string", "minLength": 1}
     token_ids = {"type": "array", "minItems": 1,
@@ -155,6 +186,7 @@ def _enforced(components: dict[str, Any], vocab_size: int, methods: list[str],
                                              {"allOf": [formats, min_tokens]},
                                              {"allOf": [vllm, min_tokens]},
                                              {"allOf": [by_prediction, no_prediction]}]}
+    _tool_rules(components, tools_refusal, [formats, vllm, min_tokens])
     for name, schema in components.items():
         if name.endswith("Request") or name == "ChatMessage":
             props = schema.get("properties", {})
@@ -164,14 +196,15 @@ def _enforced(components: dict[str, Any], vocab_size: int, methods: list[str],
 
 
 def openapi_document(api_key: bool, vocab_size: int, methods: list[str],
-                     max_model_len: int) -> dict[str, Any]:
+                     max_model_len: int, tools_refusal: str | None = None) -> dict[str, Any]:
     """The document as a dict (``api_key``: whether the /v1 routes need a bearer token;
     ``vocab_size``, ``methods``, ``max_model_len``: the served model's vocabulary, speculation
-    methods and context window)."""
+    methods and context window; ``tools_refusal``: why its template takes no tools, None when
+    it does)."""
     types = [P.CompletionRequest, P.ChatCompletionRequest, R.CompletionResponse, R.ChatResponse,
              R.ChatChunk, R.ModelList, R.HealthResponse, R.ErrorResponse]
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
-    _enforced(components, vocab_size, methods, max_model_len)
+    _enforced(components, vocab_size, methods, max_model_len, tools_refusal)
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "specserve", "version": "0.1.0",

@@ -33,6 +33,13 @@ from specserve.server.structured_fields import (
     check_removed,
     structured_spec,
 )
+from specserve.server.tool_fields import (
+    Tool,
+    ToolCallIn,
+    ToolChoice,
+    ToolRequest,
+    template_tool_calls,
+)
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -174,7 +181,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     name: str | None = None
     tool_call_id: str | None = None  # tool messages carry it; the template may use it
     refusal: str | None = None  # an assistant's earlier refusal; its content says the same
-    tool_calls: Refused = None  # an assistant's earlier calls: tool calling is not implemented
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
     function_call: Refused = None
     audio: Refused = None
 
@@ -185,10 +192,11 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+    # tool calling (tool_fields.py)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # None: true
     # Refused (see refusals.py) unless null or the value given there
-    tools: Refused = None
-    tool_choice: Refused = None
-    parallel_tool_calls: Refused = None
     functions: Refused = None
     function_call: Refused = None
     audio: Refused = None
@@ -254,8 +262,14 @@ def validation_message(message: str, param: str | None) -> str:
     return f"{message} ({hint})" if hint and "Invalid" in message else message
 
 
-def _sampling(req: _Common, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+def _sampling(req: _Common, max_tokens: int, logprobs: int | None, index: int,
+              tools: ToolRequest | None = None) -> SamplingParams:
+    """``tools``: a chat request's tools (a forced call brings its grammar; a call marker that
+    is a special token is kept in the text)."""
     check_removed({name: getattr(req, name) for name in REMOVED})
+    structured = structured_spec(req.response_format, req.structured_outputs)
+    if tools is not None and tools.structured is not None:
+        structured = tools.structured
     stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
     top_k = req.top_k or 0
     if top_k == -1:
@@ -272,12 +286,13 @@ def _sampling(req: _Common, max_tokens: int, logprobs: int | None, index: int) -
         ignore_eos=req.ignore_eos,
         min_tokens=min(req.min_tokens, max_tokens),
         logprobs=logprobs,
-        skip_special_tokens=req.skip_special_tokens,
+        skip_special_tokens=req.skip_special_tokens and not (
+            tools is not None and tools.keep_special_tokens),
         logit_bias=bias,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        structured=structured_spec(req.response_format, req.structured_outputs),
+        structured=structured,
     )
 
 
@@ -318,7 +333,7 @@ def completion_params(req: CompletionRequest) -> list[SamplingParams]:
 
 
 def chat_params(
-    req: ChatCompletionRequest, max_model_len: int
+    req: ChatCompletionRequest, max_model_len: int, tools: ToolRequest | None = None
 ) -> tuple[list[SamplingParams], bool]:
     """(one SamplingParams per choice, clamp): with no max_tokens the limit is the context
     window, so the engine clamps it to what the prompt leaves (clamp True)."""
@@ -329,7 +344,7 @@ def chat_params(
     clamp = max_tokens is None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     n_max = max_model_len if max_tokens is None else max_tokens
-    return [_sampling(req, n_max, logprobs, i) for i in range(req.n)], clamp
+    return [_sampling(req, n_max, logprobs, i, tools) for i in range(req.n)], clamp
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
@@ -351,5 +366,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             msg["name"] = m.name
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise InvalidRequestError("only assistant messages carry tool_calls",
+                                          param=f"messages[{i}].tool_calls")
+            msg["tool_calls"] = template_tool_calls(m.tool_calls)
         out.append(msg)
     return out

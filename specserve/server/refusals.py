@@ -33,17 +33,12 @@ class Refusal:
     schema: dict[str, Any] | None = None
 
 
-_TOOLS = "tool calling is not implemented yet; omit it, or describe the tools in the prompt"
+_LEGACY = "the deprecated form of {new}, not implemented; send {new} instead"
 
 REFUSED: dict[str, Refusal] = {
     # chat completions
-    "tools": Refusal(_TOOLS),
-    "tool_choice": Refusal(f"{_TOOLS}; \"none\" is accepted", lambda v: v == "none",
-                           {"const": "none"}),
-    "parallel_tool_calls": Refusal(_TOOLS),
-    "tool_calls": Refusal(_TOOLS),  # an assistant message's earlier calls
-    "functions": Refusal(f"(the deprecated form of tools) {_TOOLS}"),
-    "function_call": Refusal(f"(the deprecated form of tool_choice) {_TOOLS}",
+    "functions": Refusal(_LEGACY.format(new="tools")),
+    "function_call": Refusal(_LEGACY.format(new="tool_choice") + '; "none" is accepted',
                              lambda v: v == "none", {"const": "none"}),
     "audio": Refusal("the served model reads and writes text only; omit it"),
     "modalities": Refusal("the served model writes text only; send [\"text\"] or omit it",

@@ -21,6 +21,8 @@ from specserve.engine.request_stream import RequestStream
 from specserve.server import responses as R
 from specserve.server.api import Job, Server, error_of
 from specserve.server.deadlines import RequestTimeoutError
+from specserve.server.tool_parsers import ParsedCall
+from specserve.server.tool_stream import ToolCallStream, call_id, final_message
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -75,6 +77,8 @@ class Reply:
         job, server, n = self.job, self.server, len(self.streams)
         sent_chars = [0] * n
         finals: list[RequestOutput | None] = [None] * n
+        calls = ([ToolCallStream(job.tools.syntax, None if job.tools.parallel else 1)
+                  for _ in range(n)] if job.tools is not None else None)
         try:
             if job.kind == "chat":
                 for i in range(n):
@@ -85,6 +89,13 @@ class Reply:
                     continue
                 reason = out.finish_reason if out.finished else None
                 timings = R.timings_of([out]) if out.finished else None
+                if job.kind == "chat" and calls is not None:
+                    lp = R.chat_logprobs(lps, server.token_text) if job.logprobs else None
+                    for chunk in _tool_chunks(job, i, calls[i], out, lp, reason, timings):
+                        yield sse_frame(chunk)
+                    if out.finished:
+                        finals[i] = out
+                    continue
                 if job.kind == "chat":
                     lp = R.chat_logprobs(lps, server.token_text) if job.logprobs else None
                     delta = R.ChatDelta(content=out.text or None)
@@ -125,6 +136,12 @@ async def open_reply(server: Server, kind: str, body: bytes, tenant: str = "",
     return Reply(server, job, await server.admit(job, tenant))
 
 
+def _with_logprobs(message: tuple[R.ChatMessageOut, str | None], job: Job, out: RequestOutput,
+                   text: R.TokenText) -> tuple:
+    lp = R.chat_logprobs(out.logprobs or [], text) if job.logprobs else None
+    return message[0], lp, message[1]
+
+
 def _chat_chunk(job: Job, index: int | None, delta: R.ChatDelta | None,
                 lp: R.ChatLogprobs | None = None, reason: str | None = None,
                 timings: dict | None = None, usage: R.UsageInfo | None = None) -> R.ChatChunk:
@@ -134,14 +151,50 @@ def _chat_chunk(job: Job, index: int | None, delta: R.ChatDelta | None,
                        timings)
 
 
+def _tool_chunks(job: Job, i: int, calls: ToolCallStream, out: RequestOutput,
+                 lp: R.ChatLogprobs | None, reason: str | None, timings: dict | None
+                 ) -> list[R.ChatChunk]:
+    """A tools request's chunks for one output: its new content (and logprobs), then each
+    call completed by it (a delta with its id, type and name, then one with its arguments),
+    then the finish reason ("tool_calls" where the answer called a tool and stopped)."""
+    content, new = calls.feed(out.text, out.finished)
+    chunks = []
+    if content or lp is not None:
+        chunks.append(_chat_chunk(job, i, R.ChatDelta(content=content or None), lp))
+    for index, id_, call in new:
+        head = R.ToolCallDelta(index, id_, "function", R.FunctionCallDelta(call.name, ""))
+        args = R.ToolCallDelta(index, function=R.FunctionCallDelta(arguments=call.arguments))
+        chunks += [_chat_chunk(job, i, R.ChatDelta(tool_calls=[head])),
+                   _chat_chunk(job, i, R.ChatDelta(tool_calls=[args]))]
+    if out.finished:
+        if reason == "stop" and calls.sent_calls:
+            reason = "tool_calls"
+        chunks.append(_chat_chunk(job, i, R.ChatDelta(), None, reason, timings))
+    return chunks
+
+
+def _tool_call(call: ParsedCall) -> R.ToolCallOut:
+    return R.ToolCallOut(call_id(), "function", R.FunctionCallOut(call.name, call.arguments))
+
+
+def _chat_message(job: Job, out: RequestOutput) -> tuple[R.ChatMessageOut, str | None]:
+    """The message and finish reason of one choice (its calls parsed out when it had tools)."""
+    if job.tools is None:
+        return R.ChatMessageOut("assistant", out.text), out.finish_reason
+    msg = final_message(job.tools.syntax, out.text, None if job.tools.parallel else 1)
+    if not msg.calls:
+        return R.ChatMessageOut("assistant", out.text), out.finish_reason
+    reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+    return (R.ChatMessageOut("assistant", msg.content or None,
+                             [_tool_call(c) for c in msg.calls]), reason)
+
+
 def _response(server: Server, job: Job, outs: list[RequestOutput]) -> object:
     usage, timings = R.usage_of(outs), R.timings_of(outs)
     text = server.token_text
     if job.kind == "chat":
         chat_choices = [
-            R.ChatChoice(i, R.ChatMessageOut("assistant", o.text),
-                         R.chat_logprobs(o.logprobs or [], text) if job.logprobs else None,
-                         o.finish_reason)
+            R.ChatChoice(i, *_with_logprobs(_chat_message(job, o), job, o, text))
             for i, o in enumerate(outs)]
         return R.ChatResponse(job.id, "chat.completion", job.created, job.model, chat_choices,
                               usage, timings)

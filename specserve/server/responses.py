@@ -74,14 +74,42 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
 
 
-class ChatMessageOut(msgspec.Struct):
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str  # call_...
+    type: str  # "function"
+    function: FunctionCallOut
+
+
+class ChatMessageOut(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # None: the answer is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A call's first delta has its index, id, type and name (arguments ""), the next ones
+    its index and argument text."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta | None = None
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChoice(msgspec.Struct):

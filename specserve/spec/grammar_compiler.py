@@ -66,7 +66,8 @@ class GrammarCompiler:
             compiled = self._compile(compiler, spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             what = {"json_schema": "JSON schema", "regex": "regex", "grammar": "EBNF grammar",
-                    "choice": "choice list", "json_object": "JSON grammar"}[spec.kind]
+                    "choice": "choice list", "json_object": "JSON grammar",
+                    "structural_tag": "tools' call grammar"}[spec.kind]
             detail = _LOCATION.sub("", str(exc).strip()).strip()
             raise InvalidRequestError(f"the {what} cannot be compiled: {detail}",
                                       param=spec.param, code=INVALID_STRUCTURED_OUTPUT) from exc
@@ -87,4 +88,6 @@ class GrammarCompiler:
             return compiler.compile_regex(spec.text)
         if spec.kind == "choice":
             return compiler.compile_grammar(choice_grammar(spec.text))
+        if spec.kind == "structural_tag":
+            return compiler.compile_structural_tag(spec.text)
         return compiler.compile_grammar(spec.text)
