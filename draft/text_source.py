@@ -60,8 +60,8 @@ class TextDraftSource:
         if tokenizer is None or target.tokenizer is None:
             whose = "the draft" if tokenizer is None else "the target"
             raise ModelLoadError(
-                f"draft model vocabulary ({vocab[0]} tokens) differs from the target's "
-                f"({vocab[1]}), and {whose} carries no tokenizer: a draft with another "
+                f"draft model {self.path}: its vocabulary ({vocab[0]} tokens) differs from the "
+                f"target's ({vocab[1]}), and {whose} carries no tokenizer: a draft with another "
                 f"vocabulary drafts text, so both models need their tokenizer (or use a draft "
                 f"trained with the target's tokenizer: `specserve distill` makes one)")
         # Beside a quantized target the draft runs blocks too: its own GGUF blocks when it is

@@ -68,7 +68,7 @@ def _falcon_gguf(path: Path) -> None:
 def test_each_kind_is_detected(drafts):
     assert detect_kind(str(drafts / "hf")).name == "hf_folder"
     assert detect_kind(str(drafts / "d.gguf")).name == "gguf"
-    assert detect_kind(str(drafts / "head")).name == "eagle_head"
+    assert detect_kind(str(drafts / "head")).name == "eagle3_head"  # what distill writes
     assert {k.runs_as for k in DRAFT_KINDS} <= set(RUNS_AS)
     assert [k.name for k in DRAFT_KINDS if k.runs_as == DRAFT_MODEL] == ["gguf", "hf_folder"]
     assert [k.name for k in DRAFT_KINDS if k.runs_as == EAGLE_HEAD] == ["eagle3_head", "eagle_head"]
@@ -99,10 +99,12 @@ def test_how_to_give_names_every_kind_that_runs_as_it():
 
 # draft (beside the target drafts/hf) -> what the refusal must say
 REFUSED = {
-    "d.gguf": "the draft model's vocabulary (260 tokens) differs from the target's (300): it has "
-              "another tokenizer; give a draft with the target's tokenizer",
-    "narrow_head": "was trained for a target with (layers, hidden, vocab) = (2, 32, 300), this "
-                   "target has (2, 64, 300); train a head for it",
+    # another vocabulary runs as a text draft, which needs both tokenizers (this target has none)
+    "d.gguf": "vocabulary (260 tokens) differs from the target's (300), and the target carries "
+              "no tokenizer: a draft with another vocabulary drafts text, so both models need "
+              "their tokenizer",
+    "narrow_head": "this target has hidden size 64, vocabulary 300: use a head trained for this "
+                   "target",
     "falcon.gguf": "GGUF architecture 'falcon' is not supported; specserve serves GGUF "
                    "architectures llama",
     "empty": "is none of the drafts --draft-model accepts",
