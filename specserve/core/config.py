@@ -44,6 +44,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "local HF folder, .gguf file or hub id (default: built-in SmolLM2-135M-Instruct)")] = None
     tokenizer: Annotated[str | None, _help(
         "tokenizer folder/file (default: the model's own)")] = None
+    chat_template: Annotated[str | None, _help(
+        "a Jinja chat template file that replaces the tokenizer's (e.g. one that renders "
+        "tools for a model whose own template does not)")] = None
     draft_model: Annotated[str | None, _help(
         "draft for speculative decoding, its kind detected from the path: an EAGLE head folder "
         "(published EAGLE-3 layouts, or `specserve distill --method eagle`), a GGUF file or an "

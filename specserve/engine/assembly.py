@@ -54,7 +54,7 @@ def build_parts(config: ResolvedConfig, files: ModelFiles, registry: ProposerReg
     model_config, model = build_model(files.target, config.dtype, config.device,
                                       native_blocks=config.quantization == "gguf")
     quantize_model(model, config.quantization, config.model_path)
-    tokenizer = load_tokenizer(config.tokenizer_path)
+    tokenizer = load_tokenizer(config.tokenizer_path, config.asked.chat_template)
     attn = _attention(config, model_config)
     runner = ModelRunner(model_config, model, num_blocks=config.num_kv_blocks,
                          block_size=config.block_size, dtype=config.dtype, device=config.device,

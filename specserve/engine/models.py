@@ -100,9 +100,25 @@ def _download(repo_id: str) -> str:
         ) from exc
 
 
-def load_tokenizer(path: str) -> Any | None:
+def load_tokenizer(path: str, chat_template: str | None = None) -> Any | None:
     """The transformers tokenizer of a model folder or GGUF file, or None when the model
-    carries no tokenizer at all (then only token-id prompts can be served)."""
+    carries no tokenizer at all (then only token-id prompts can be served). ``chat_template``:
+    a Jinja template file that replaces the tokenizer's own."""
+    tokenizer = _load_tokenizer(path)
+    if chat_template is None:
+        return tokenizer
+    file = Path(chat_template)
+    if not file.is_file():
+        raise ModelLoadError(f"chat template file not found: {chat_template}; pass a Jinja "
+                             f"template file (--chat-template)")
+    if tokenizer is None:
+        raise ModelLoadError(f"--chat-template {chat_template} needs a tokenizer, and {path} "
+                             f"carries none; pass one with --tokenizer")
+    tokenizer.chat_template = file.read_text()
+    return tokenizer
+
+
+def _load_tokenizer(path: str) -> Any | None:
     from transformers import AutoTokenizer
 
     p = Path(path)

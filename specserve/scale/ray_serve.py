@@ -181,7 +181,8 @@ class Ingress:
         self.keyer: PrefixKeyer | None = None
         if scale.request_router == "prefix":
             tok_path = engine_config.tokenizer or resolve_model_path(engine_config.model)
-            self.keyer = PrefixKeyer(load_tokenizer(tok_path), engine_config.block_size,
+            tok = load_tokenizer(tok_path, engine_config.chat_template)
+            self.keyer = PrefixKeyer(tok, engine_config.block_size,
                                      scale.prefix_routing_blocks)
 
     async def __call__(self, request: Request) -> Response:
