@@ -233,9 +233,13 @@ class DraftModelSource:
 
         blocks = self.blocks(target)
         with _about_draft(self.path):  # a distilled draft says first if it is another's
+            # only a distilled draft shares the table (and a block table is dequantized whole
+            # when read as a float tensor: 545 MB for Qwen2.5's)
+            meta = getattr(self.weights.hf_config, "specserve_draft", None) or {}
+            shared = target.model.embed_tokens.weight if meta.get("embeddings") == "target" \
+                else None
             config, model = build_model(self.weights, target.dtype, target.device,
-                                        shared_embeddings=target.model.embed_tokens.weight,
-                                        native_blocks=blocks == "gguf")
+                                        shared_embeddings=shared, native_blocks=blocks == "gguf")
             check_draft_compatible(target.config, config, target.tokenizer,
                                    target.tokenizer_of(self.path))
         quantize_model(model, blocks, self.path)
