@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                 current[0] = mode
                 st = stats[mode]
                 for i, p in enumerate(prompts):
+                    # suffix decoding (in auto) would otherwise copy this prompt's answer from
+                    # an earlier mode's or round's run of it
+                    engine.clear_speculation_caches()
                     t = time.perf_counter()
                     (out,) = engine.generate([p], params, SpeculativeParams(mode))
                     st.seconds += time.perf_counter() - t
