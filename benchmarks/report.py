@@ -192,13 +192,41 @@ def publish(heading: str, section: str, write: bool) -> None:
 
 
 def write_section(path: Path, heading: str, section: str) -> None:
-    """Replaces the section starting at ``heading`` (up to the next '## ') or appends it."""
+    """Puts ``section`` in place of the section headed exactly ``heading`` (up to the next
+    '## '), or appends it. The replaced section stays, right below the new one, under
+    ``heading`` plus the date it ran, so a rerun never erases an earlier measurement."""
     text = path.read_text() if path.exists() else "# Benchmark results\n\n"
-    start = text.find(heading)
+    start = _heading_at(text, heading)
     if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(heading))
-        rest = text[end + 1 :] if end != -1 else ""
-        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
+        path.write_text(text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n")
+        return
+    end = text.find("\n## ", start + len(heading))
+    old = text[start:end + 1] if end != -1 else text[start:]
+    rest = text[end + 1:] if end != -1 else ""
+    same = old.rstrip("\n") == section.rstrip("\n")  # the same text written twice
+    kept = "" if same else _as_earlier(old, heading)
+    text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + kept if kept else "") + (
+        "\n" + rest if rest else "")
     path.write_text(text)
+
+
+def _heading_at(text: str, heading: str) -> int:
+    """Where ``heading`` stands as a whole line (a longer heading it prefixes does not count)."""
+    at = 0
+    while (at := text.find(heading, at)) != -1:
+        line_start = at == 0 or text[at - 1] == "\n"
+        line_end = at + len(heading) == len(text) or text[at + len(heading)] == "\n"
+        if line_start and line_end:
+            return at
+        at += len(heading)
+    return -1
+
+
+def _as_earlier(old: str, heading: str) -> str:
+    """The replaced section under a heading that names when it ran."""
+    mark = "Run started "
+    when = "date not recorded"
+    if mark in old:
+        when = old[old.index(mark) + len(mark):].split(".", 1)[0].split("\n", 1)[0].strip()
+    body = old[len(heading):]
+    return f"{heading} (earlier run, {when}){body.rstrip(chr(10))}\n"

@@ -472,3 +472,19 @@ def test_oracle_proposer_cuts_drafts_to_the_accepted_prefix(tiny):
     assert spec.token_ids == plain.token_ids
     assert spec.timings.num_drafted > 0
     assert spec.timings.num_accepted == spec.timings.num_drafted
+
+
+def test_a_rerun_keeps_the_earlier_section_under_its_date(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Benchmark results\n\n## Speed\n\nRun started 2026-01-01T00:00:00+0000.\n\n"
+                    "| a |\n\n## Speed, another heading it prefixes\n\nkept as is\n")
+    new = "## Speed\n\nRun started 2026-02-02T00:00:00+0000.\n\n| b |\n"
+    report.write_section(path, "## Speed", new)
+    text = path.read_text()
+    assert text.index("| b |") < text.index("## Speed (earlier run, 2026-01-01T00:00:00+0000)")
+    assert text.index("| a |") > text.index("(earlier run")
+    assert text.count("## Speed, another heading it prefixes\n\nkept as is") == 1
+    report.write_section(path, "## Speed", new)  # the same text again adds nothing
+    assert path.read_text() == text
+    report.write_section(path, "## Elsewhere", "## Elsewhere\n\nx\n")
+    assert path.read_text().endswith("## Elsewhere\n\nx\n")

@@ -156,6 +156,27 @@ def test_gguf_tokenizer_cached(tmp_path):
     assert second.eos_token_id == 2 and second.chat_template == direct.chat_template
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3_window", "gemma2", "gemma3"])
+def test_gguf_tokenizer_is_autotokenizers(tmp_path, arch):
+    """Our GGUF tokenizer (the class from our own metadata reader) is what AutoTokenizer builds
+    from the same file: the same class and the same saved files."""
+    from tests.helpers.arch_cases import arch_config
+
+    path = tmp_path / f"{arch}.gguf"
+    cfg = (tiny_config(arch, **CONFIG) if arch in ("llama", "qwen2", "qwen3")
+           else arch_config(arch, vocab_size=GGUF_VOCAB_SIZE))
+    build_tiny_model(path, cfg, init=HF_INIT, fmt="gguf")
+    ours = load_tokenizer(str(path))
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    assert type(ours) is type(theirs)
+    ours.save_pretrained(tmp_path / "ours")
+    theirs.save_pretrained(tmp_path / "theirs")
+    files = sorted(f.name for f in (tmp_path / "theirs").iterdir())
+    assert sorted(f.name for f in (tmp_path / "ours").iterdir()) == files
+    for name in files:
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "theirs" / name).read_bytes()
+
+
 def test_default_model_path():
     path = resolve_model_path(None)
     assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
