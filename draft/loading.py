@@ -169,19 +169,33 @@ def detect_kind(path: str) -> DraftKind:
                          f"give {accepted}")
 
 
-def open_draft(path: str, target: ModelConfig | None = None) -> DraftSource:
+def open_draft(path: str, target: ModelConfig | None = None, *,
+               same_tokens: Callable[[str], bool] | None = None,
+               cross_tokenizer: bool = True) -> DraftSource:
     """The draft at ``path``, opened (read, not built) as the kind ``detect_kind`` finds. A
-    draft model whose vocabulary's size differs from ``target``'s runs as a text draft (one
-    distilled for the target, which shares its embeddings, never does)."""
+    draft model with another tokenizer than ``target``'s (another vocabulary size, or the same
+    size where ``same_tokens(path)`` says its token -> id table is not the target's) runs as a
+    text draft when ``cross_tokenizer``; otherwise it is refused here. One distilled for the
+    target, which shares its embeddings, never runs as a text draft."""
     source = detect_kind(path).open(path)
     if target is None or not isinstance(source, DraftModelSource):
         return source
     draft = source.weights.config
-    if draft.vocab_size == target.vocab_size:
-        return source
     meta = getattr(source.weights.hf_config, "specserve_draft", None) or {}
     if meta.get("embeddings") == "target":
-        return source  # refused at build, with the distilled draft's message
+        return source  # checked at build, with the distilled draft's message
+    if draft.vocab_size == target.vocab_size:
+        if same_tokens is None or same_tokens(path):
+            return source
+        differs = "the same size with other token ids"
+    else:
+        differs = f"{draft.vocab_size} tokens against the target's {target.vocab_size}"
+    if not cross_tokenizer:
+        raise ModelLoadError(
+            f"draft {path} has another tokenizer than the target ({differs}) and cross-"
+            f"tokenizer drafting is off (--no-cross-tokenizer-draft): drop that flag to run "
+            f"it as text_draft, or give a draft with the target's tokenizer (`specserve "
+            f"distill` makes one)")
     from specserve.draft.text_source import TextDraftSource, check_has_tokenizer
 
     check_has_tokenizer(path, draft.vocab_size, target.vocab_size)

@@ -350,8 +350,8 @@ def check_draft_compatible(
 ) -> None:
     """A draft model must speak the target's vocabulary: same vocab size and, when both ship a
     tokenizer, the same token -> id table. Anything else would verify meaningless ids."""
-    fix = ("give a draft with the target's tokenizer (`specserve distill` makes one), or "
-           "enable a cross-tokenizer draft method for this one")
+    fix = ("give a draft with the target's tokenizer (`specserve distill` makes one), or a "
+           "small model that is not distilled for another target: it runs as text_draft")
     if draft.vocab_size != target.vocab_size:
         raise ModelLoadError(
             f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the "

@@ -18,6 +18,7 @@ from tests.helpers.speculation import make
 from tests.helpers.text_pair import (
     CYCLE,
     DRAFT_CYCLE,
+    SPECIALS,
     bigram_model,
     small_bpe_tokenizer,
 )
@@ -183,6 +184,33 @@ def test_draft_without_tokenizer_is_refused(pair, tmp_path):
     build_tiny_model(tmp_path, tiny_config(vocab_size=301))
     with pytest.raises(ModelLoadError, match="vocabulary.*no tokenizer"):
         make(target, draft_model=str(tmp_path), kernel_tuning=False)
+
+
+def test_cross_tokenizer_off_refuses_such_a_draft(pair):
+    target, draft, *_ = pair
+    with pytest.raises(ModelLoadError, match=r"another tokenizer.*49152 tokens.*target.s 320.*"
+                                             r"--no-cross-tokenizer-draft"):
+        make(target, draft_model=draft, kernel_tuning=False, cross_tokenizer_draft=False)
+
+
+def test_same_size_other_ids_runs_as_text_draft(pair, tmp_path):
+    """A draft tokenizer of the target's size whose ids differ (the special tokens reordered)
+    is another tokenizer: it runs as a text draft, exact; refused when that is off."""
+    target, *_, hf, tok, _, _ = pair
+    other = small_bpe_tokenizer(SPECIALS[::-1])
+    assert len(other) == len(tok) and other.get_vocab() != tok.get_vocab()
+    bigram_model(tmp_path / "d", other, CYCLE, seed=2)
+    engine = make(target, draft_model=str(tmp_path / "d"), kernel_tuning=False,
+                  speculative_method="text_draft")
+    assert engine.config.draft.kind == TEXT_DRAFT
+    ps = _prompts(tok)
+    outs = engine.generate(ps, GREEDY, SpeculativeParams("text_draft"))
+    for p, o in zip(ps, outs):
+        assert o.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
+    assert sum(o.timings.num_accepted for o in outs) > 0
+    with pytest.raises(ModelLoadError, match="same size with other token ids"):
+        make(target, draft_model=str(tmp_path / "d"), kernel_tuning=False,
+             cross_tokenizer_draft=False)
 
 
 @pytest.mark.slow

@@ -54,6 +54,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "another as text_draft (`default` names the built-in SmolLM2-135M); 'none' for no "
         "draft (default: the shipped distilled draft when the target is the built-in "
         "model)")] = None
+    cross_tokenizer_draft: Annotated[bool, _help(
+        "a draft model with another tokenizer than the target's runs as text_draft (it drafts "
+        "text; the target verifies its own tokens of that text, so the answers stay the "
+        "target's); off refuses such a draft")] = True
     speculative_method: Annotated[str | None, _help(
         "speculative method of requests that name none: a proposer, auto (per step and "
         "sequence, the proposer with the best expected goodput; none when nothing pays) or "

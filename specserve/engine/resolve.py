@@ -129,13 +129,22 @@ class ModelFiles:
 
     @classmethod
     def open(cls, asked: EngineConfig) -> ModelFiles:
-        from specserve.engine.models import resolve_draft, resolve_model_path
+        from specserve.engine.models import load_tokenizer, resolve_draft, resolve_model_path
 
         model_path = resolve_model_path(asked.model)
         draft_spec = resolve_draft(asked.model, asked.draft_model)
         target = read_weights(model_path)
-        draft = (None if draft_spec is None
-                 else open_draft(resolve_model_path(draft_spec), target.config))
+        draft = None
+        if draft_spec is not None:
+            def same_tokens(draft_path: str) -> bool:
+                """Both tokenizers map tokens to ids alike (True when either has none)."""
+                ours = load_tokenizer(draft_path)
+                theirs = load_tokenizer(asked.tokenizer or model_path)
+                return ours is None or theirs is None or ours.get_vocab() == theirs.get_vocab()
+
+            draft = open_draft(resolve_model_path(draft_spec), target.config,
+                               same_tokens=same_tokens,
+                               cross_tokenizer=asked.cross_tokenizer_draft)
         return cls(model_path, target, draft)
 
 

@@ -23,8 +23,10 @@ _CORPUS = ("the quick brown fox jumps over the lazy dog; def return add print if
            "for while x y z = + - * / ( ) : , . \n") * 20
 
 
-def small_bpe_tokenizer():
-    """A byte-level BPE of 320 tokens trained on a few English and code words (no download)."""
+def small_bpe_tokenizer(specials: list[str] = SPECIALS):
+    """A byte-level BPE of 320 tokens trained on a few English and code words (no download).
+    ``specials`` in another order give the same size with other ids for them (the other
+    tokens' ids stay)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -32,7 +34,7 @@ def small_bpe_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_CORPUS], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
