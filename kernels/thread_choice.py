@@ -54,6 +54,14 @@ chosen here (a team of 2, torch's ops on 1) ran plain decoding through ``specser
 1.5x the old default (2 torch threads) but below ``--num-threads 1``; timing candidates on the
 server's own step loop is the next step where that matters.
 
+A team the user fixed (``--num-threads N``): the candidates of that team only
+(``team_candidates``), so where torch's own ops run and the pool's waits are still measured.
+
+A machine shared that moment: the measurement reads, from /proc, how much CPU other processes
+(and a VM's steal) took while it ran. Above ``BUSY_CORES`` on average the choice is applied but
+not cached: a choice cached under other jobs' load stayed after they ended (one thread, where
+the quiet machine runs a team of two at 1.4x its speed).
+
 Cache: ``<cache_dir>/threads-<sha of CPU, usable cores, torch, kernel build, the candidates and
 the caller's key>.json``, beside the kernel table; a start that finds it applies it untimed.
 """
@@ -164,6 +172,56 @@ def candidates(cores: int) -> tuple[ThreadSetup, ...]:
     return tuple(out)
 
 
+def team_candidates(team: int) -> tuple[ThreadSetup, ...]:
+    """The candidates of ``candidates`` whose team is ``team`` threads: where the user fixed
+    the count (``--num-threads``), what is left to measure is where torch's own ops run (on
+    one thread, or on the team) and the pool's waits."""
+    if team <= 1:
+        return (ThreadSetup(1),)
+    return tuple(s for s in candidates(team) if s.team == team)
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """The machine's busy CPU time and this process's own, at one moment (``cpu_snapshot``)."""
+
+    wall: float  # time.monotonic() seconds
+    busy: float  # CPU seconds every process (and a VM's steal) has used since boot
+    own: float  # CPU seconds this process has used
+
+
+def cpu_snapshot() -> CpuSnapshot | None:
+    """Now's ``CpuSnapshot`` from /proc, None where there is none to read."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user .. steal
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    own = int(fields[11]) + int(fields[12])  # utime, stime
+    return CpuSnapshot(time.monotonic(), (sum(ticks) - idle) / hz, own / hz)
+
+
+def others_cores(before: CpuSnapshot | None, after: CpuSnapshot | None) -> float | None:
+    """Cores' worth of CPU that other processes (and the hypervisor's steal) took between two
+    snapshots, on average; None when that cannot be told (no /proc, or under half a second,
+    too short for the kernel's ticks)."""
+    if before is None or after is None or after.wall - before.wall < 0.5:
+        return None
+    others = (after.busy - before.busy) - (after.own - before.own)
+    return max(0.0, others / (after.wall - before.wall))
+
+
+# A measurement during which other processes took more than this many cores' worth of CPU on
+# average is applied but not cached: it chose for a machine shared that moment (a cached
+# choice made under other agents' test runs picked one thread, 15.8 ms a decode step, where
+# the quiet machine runs a team of two with torch's ops on one at 11 ms).
+BUSY_CORES = 0.25
+
+
 @dataclass
 class Measurement:
     """Median seconds of one step per setup, quiet and disturbed (setups left out were pruned
@@ -173,6 +231,7 @@ class Measurement:
     busy: dict[ThreadSetup, float]
     complete: bool
     seconds: float  # of ``clock``, the whole measurement
+    others: float | None = None  # cores other processes took meanwhile (``others_cores``)
 
     def costs(self) -> dict[ThreadSetup, float]:
         both = [s for s in self.quiet if s in self.busy]
@@ -189,6 +248,7 @@ def measure(step: Callable[[], object], setups: tuple[ThreadSetup, ...], *,
     """Times ``step`` under every setup, quiet and within ``disturb()``, in ``budget_s`` seconds
     of ``clock`` (module docstring). The setup in force before is put back."""
     before = ThreadSetup.current()
+    load_before = cpu_snapshot()
     start = clock()
     samples: dict[str, dict[ThreadSetup, list[float]]] = {c: {} for c in _CONDITIONS}
     live = list(setups)
@@ -226,7 +286,7 @@ def measure(step: Callable[[], object], setups: tuple[ThreadSetup, ...], *,
         before.apply()
     return Measurement({s: statistics.median(v) for s, v in samples["quiet"].items()},
                        {s: statistics.median(v) for s, v in samples["busy"].items()},
-                       complete, clock() - start)
+                       complete, clock() - start, others_cores(load_before, cpu_snapshot()))
 
 
 def cache_path(cache_dir: Path, key: str, setups: tuple[ThreadSetup, ...]) -> Path:
@@ -266,6 +326,9 @@ def choose(step: Callable[[], object], path: Path | None, setups: tuple[ThreadSe
     how = f"{len(costs)} of {len(setups)} candidates in {m.seconds:.1f}s"
     if not m.complete:
         return ThreadChoice(best, f"chosen by measurement ({how}, budget spent: not cached)")
+    if m.others is not None and m.others > BUSY_CORES:
+        return ThreadChoice(best, f"chosen by measurement ({how}; other processes took "
+                                  f"{m.others:.2f} cores meanwhile: not cached)")
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,13 @@ class FakeMachine:
             self.disturbed = False
 
 
+@pytest.fixture(autouse=True)
+def _no_load_reading(monkeypatch):
+    """The machine's load is not read (a test must not pass or fail by how busy it is);
+    the test of that rule gives its own snapshots."""
+    monkeypatch.setattr(thread_choice, "cpu_snapshot", lambda: None)
+
+
 @pytest.fixture
 def restored() -> Iterator[None]:
     before = ThreadSetup.current()
@@ -142,6 +149,36 @@ def test_the_budget_bounds_the_measurement_and_a_cut_one_is_not_cached(tmp_path,
     assert untimed.setup == SETUPS[0] and "untimed" in untimed.how and not path.exists()
 
 
+def test_a_choice_made_while_others_took_the_cores_is_not_cached(tmp_path, restored,
+                                                                 monkeypatch):
+    """Other processes' CPU time over the measurement (from /proc snapshots): above
+    BUSY_CORES on average the choice is applied, not cached; below, cached."""
+    fake = FakeMachine({s: (1e-3 * (i + 1), 1e-3 * (i + 1)) for i, s in enumerate(SETUPS)})
+    path = tmp_path / "threads.json"
+    for others, cached in ((0.9, False), (0.1, True)):
+        shots = iter([thread_choice.CpuSnapshot(0.0, 100.0, 10.0),
+                      thread_choice.CpuSnapshot(2.0, 100.0 + 2 * (others + 1.5), 13.0)])
+        monkeypatch.setattr(thread_choice, "cpu_snapshot", lambda: next(shots))
+        choice = thread_choice.choose(fake.step, path, SETUPS, clock=fake.clock,
+                                      disturb=fake.disturb)
+        assert choice.setup == SETUPS[0] and ThreadSetup.current() == SETUPS[0]
+        assert path.is_file() == cached, (others, choice.how)
+        assert ("not cached" in choice.how) != cached
+        if not cached:
+            assert f"other processes took {others:.2f} cores" in choice.how
+    assert thread_choice.others_cores(thread_choice.CpuSnapshot(0.0, 1.0, 1.0),
+                                      thread_choice.CpuSnapshot(0.1, 9.0, 1.0)) is None
+
+
+def test_team_candidates_keep_the_team_and_vary_where_torch_runs():
+    for team in (2, 4):
+        setups = thread_choice.team_candidates(team)
+        assert {s.team for s in setups} == {team}
+        assert {s.torch_threads for s in setups} == {1, team}
+        assert setups[0] == candidates(team)[0]
+    assert thread_choice.team_candidates(1) == (ThreadSetup(1),)
+
+
 class CountingClock:
     """Moves 1 ms per reading: the real probe step runs, but every timing reads the same, so
     the measurement completes within any budget of a few seconds."""
@@ -215,6 +252,28 @@ def test_threads_the_user_fixed_are_not_measured(model_dir, monkeypatch, caplog,
     assert _ready_line(caplog).endswith(f"; {engine.threads.describe()}")
     if env is not None:  # the variable's policy is in force, even in a process that loaded
         assert thread_policy.current() == ThreadPolicy.parse(env)  # the kernels before
+
+
+def test_num_threads_fixes_the_team_and_placement_is_measured(model_dir, monkeypatch, caplog,
+                                                              restored):
+    """--num-threads 2 alone fixes the team; torch's own ops on one thread or on the team
+    (and the pool's waits) are still timed, among the candidates of that team."""
+    monkeypatch.delenv(thread_policy.ENV, raising=False)
+    monkeypatch.setattr(thread_setup, "MIN_MEASURED_PARAMS", 0)
+    timed = []
+    real = thread_choice.measure
+
+    def recorded(step, setups, **kw):
+        timed.append(setups)
+        return real(step, setups, **{**kw, "clock": CountingClock()})
+
+    monkeypatch.setattr(thread_choice, "measure", recorded)
+    with caplog.at_level(logging.INFO, logger="specserve.engine.llm_engine"):
+        engine = LLMEngine(engine_config(model_dir, draft_model="none", num_threads=2))
+    assert timed == [thread_choice.team_candidates(2)]
+    assert engine.threads.setup.team == 2 and engine.threads.setup in timed[0]
+    assert engine.threads.how.startswith("team fixed by --num-threads 2, chosen by measurement")
+    assert _ready_line(caplog).endswith(f"; {engine.threads.describe()}")
 
 
 def test_a_malformed_policy_variable_is_a_config_error(model_dir, monkeypatch):

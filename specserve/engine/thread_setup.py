@@ -6,8 +6,10 @@ table, so a later start applies it untimed).
 
 Not measured, and why:
 
-- the user fixed them (``--num-threads``, ``SPECSERVE_THREAD_POLICY``: the resolver names
-  which), or asked for no start-up timing (``--no-kernel-tuning``);
+- the user fixed them (``SPECSERVE_THREAD_POLICY``, or ``--num-threads 1``: the resolver
+  names which), or asked for no start-up timing (``--no-kernel-tuning``). ``--num-threads N``
+  (N > 1) fixes the kernels' team only: where torch's own ops run beside it, and the pool's
+  waits, are still measured, among the candidates with that team;
 - a device other than the CPU (the kernels' pool runs CPU kernels only);
 - a model of fewer than ``MIN_MEASURED_PARAMS`` projection weights (the tests' tiny models,
   at most a few million): its decode step is a few hundred microseconds of per-op dispatch in
@@ -50,31 +52,38 @@ def choose_threads(config: ResolvedConfig, runner: ModelRunner, *,
     if config.device.type != "cpu":  # torch's threads only feed the GPU here
         return ThreadChoice(ThreadSetup(torch.get_num_threads()),
                             f"not measured (device {config.device})")
-    if config.threads_fixed_by is not None:
+    policy = thread_policy.from_env()
+    team = config.num_threads  # fixed by --num-threads; 0: measured too
+    if config.threads_fixed_by is not None and (policy is not None or team <= 1):
         # The extension applies the variable's policy when it loads; one loaded before (an
         # earlier engine in this process) gets it, or a team that follows --num-threads, here.
-        policy = thread_policy.from_env()
         if policy is None:
             policy = dataclasses.replace(thread_policy.in_force(), threads=0)
         if quant_ext.load.cache_info().currsize:
             thread_policy.apply(policy)
         return ThreadChoice(ThreadSetup.current(), f"fixed by {config.threads_fixed_by}")
+    fixed = f"team fixed by --num-threads {team}, " if team else ""
     if not config.kernel_tuning:
-        return ThreadChoice(ThreadSetup.current(), "defaults (--no-kernel-tuning)")
+        return ThreadChoice(ThreadSetup.current(), f"{fixed}defaults (--no-kernel-tuning)")
     groups = model_groups(runner.model)
     params = projection_params(groups)
     if params < MIN_MEASURED_PARAMS:
-        return ThreadChoice(ThreadSetup.current(), f"defaults (not measured: {params / 1e6:.1f}M "
-                                                   f"projection weights, under "
-                                                   f"{MIN_MEASURED_PARAMS / 1e6:.0f}M)")
-    setups = thread_choice.candidates(thread_choice.usable_cores())
+        return ThreadChoice(ThreadSetup.current(), f"{fixed}defaults (not measured: "
+                                                   f"{params / 1e6:.1f}M projection weights, "
+                                                   f"under {MIN_MEASURED_PARAMS / 1e6:.0f}M)")
+    # --num-threads N fixes the team; where torch's own ops run beside it is still measured
+    # (2-core Zen 3, a decode step of the built-in model: torch's ops on the team 18.1 ms,
+    # on one thread 11.5 ms; torch's OpenMP workers spin after each op, beside the pool's).
+    setups = (thread_choice.team_candidates(team) if team
+              else thread_choice.candidates(thread_choice.usable_cores()))
     path = thread_choice.cache_path(cache_root() / "tune", _shape_key(config, runner, groups),
                                     setups)
     step, reset = decode_probe(runner)
     try:
-        return thread_choice.choose(step, path, setups, budget_s=budget_s, clock=clock)
+        choice = thread_choice.choose(step, path, setups, budget_s=budget_s, clock=clock)
     finally:
         reset()
+    return dataclasses.replace(choice, how=fixed + choice.how) if fixed else choice
 
 
 def _shape_key(config: ResolvedConfig, runner: ModelRunner, groups: dict) -> str:
