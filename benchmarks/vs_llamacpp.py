@@ -352,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
              f"threads): {reference}.", "", *notes]
     draft = ("draft-simple with `" + Path(args.llama_draft).name + "`" if args.llama_draft else
              "no draft-simple (no same-vocabulary draft GGUF given)")
+    # each model its own section (a rerun on one model keeps the other's in place)
+    heading = HEADING if args.model is None else f"{HEADING}, {Path(model).name}"
     section = results_section(
-        HEADING, run_info(argv, program="python benchmarks/vs_llamacpp.py"),
+        heading, run_info(argv, program="python benchmarks/vs_llamacpp.py"),
         f"Model `{Path(model).name}` on both sides, {args.threads} threads each, greedy, the "
         f"same chat-templated prompt text to both servers' /v1/completions, at most "
         f"{args.new_tokens} new tokens, {args.prompts_per_workload} prompts per workload, "
@@ -363,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "fresh per (repeat, stop rule): an API-key tenant per mode and block on ours, "
         "restarted llama-servers. See the script's docstring. Indicative where other work "
         f"shared the machine. lscpu: {lscpu_summary()}.", body)
-    publish(HEADING, section, write=not args.no_write)
+    publish(heading, section, write=not args.no_write)
     for f in failures:
         print("FAILURE:", f, file=sys.stderr)
     return 1 if failures else 0
@@ -385,7 +387,10 @@ def _has_draft(ours: Ours, prompts: dict[str, list[str]]) -> bool:
 
 async def _measure(args, ours: Ours, prompts, systems, model, folder):
     timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # A fresh connection per request: the llama-servers restart between blocks, and a kept-alive
+    # connection to the one before failed a run with "Server disconnected".
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         first = next(iter(prompts.values()))[0]
         for s in systems:  # warm-up of ours (first requests of each mode)
             if s.ours:

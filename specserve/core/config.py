@@ -123,8 +123,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "else torch; on CUDA the first of flash_attn, triton, sdpa, torch that loads)")] = "auto"
     seed: Annotated[int, _help("seed of the engine's sampler for requests that give none")] = 0
     num_threads: Annotated[int | None, _help(
-        "torch CPU threads, the kernels' team too (default: chosen by measurement at start-up, "
-        "cached per machine and model)")] = None
+        "CPU threads: the kernels' team; whether torch's own ops run on it or on one thread is "
+        "still measured at start-up (default: the team chosen by measurement too, cached per "
+        "machine and model)")] = None
 
     def __post_init__(self) -> None:
         self.validate()
