@@ -46,6 +46,19 @@ CASES = {
          '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Par', []),
         ("Just text.", "Just text.", []),
     ],
+    "mistral_args": [
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [WEATHER]),
+        ('Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time'
+         '[CALL_ID]a1B2c3D4e[ARGS] {"zone": "UTC", "h24": true}', "Checking.", [WEATHER, TIME]),
+        # malformed arguments stay text; the call after them is read
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": }[TOOL_CALLS]get_time[ARGS]{"zone": "UTC", '
+         '"h24": true}', '[TOOL_CALLS]get_weather[ARGS]{"city": }', [TIME]),
+        ('[TOOL_CALLS]get weather[ARGS]{"city": "Paris"}',  # a name with a space: not a call
+         '[TOOL_CALLS]get weather[ARGS]{"city": "Paris"}', []),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Par',
+         '[TOOL_CALLS]get_weather[ARGS]{"city": "Par', []),
+        ("[TOOL_CALLS]get_weath", "[TOOL_CALLS]get_weath", []),
+    ],
     "llama3": [
         ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [WEATHER]),
         ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
@@ -120,6 +133,8 @@ HERMES_SRC = "{% for t in tools %}{{ t | tojson }}{% endfor %}<tool_call></tool_
      "[TOOL_CALLS]", "mistral"),
     ('{% if tools %}{"name": function name, "parameters": dict}{{ tools }}{% endif %}'
      "<|python_tag|>", "llama3"),
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+     "[TOOL_CALLS]{{ call.name }}[ARGS]{{ call.arguments | tojson }}", "mistral_args"),
     ({"default": "{{ messages }}", "tool_use": HERMES_SRC}, "hermes"),
 ])
 def test_syntax_from_the_template(source, want):

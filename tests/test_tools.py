@@ -120,6 +120,30 @@ def test_forced_calls_identical_with_speculation(engine, method):
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
 
 
+@pytest.mark.parametrize("syntax", ["mistral", "mistral_args", "llama3"])
+def test_forced_calls_in_every_syntax(engine, syntax):
+    """The structural tag of each call syntax forces calls that its parser reads back, the
+    arguments valid under their schema, greedy identical with speculation (the markers are
+    text here: this tokenizer has no special tokens for them)."""
+    prompt = engine.render_chat(MSGS, TOOLS)
+    fns = [("get_weather", WEATHER), ("get_time", TIME)]
+    for parallel in (False, True):
+        spec = StructuredSpec("structural_tag",
+                              ToolSyntax(syntax).structural_tag(fns, parallel, {}), "tools")
+        params = SamplingParams(max_tokens=160, temperature=0.0, structured=spec)
+        (plain,) = engine.generate([prompt], params, SpeculativeParams(method="off"))
+        (spec_out,) = engine.generate([prompt], params, SpeculativeParams(method="suffix"))
+        assert spec_out.token_ids == plain.token_ids, (syntax, parallel)
+        msg = parse(syntax, plain.text)
+        if parallel and plain.finish_reason == "length":
+            assert msg.calls or msg.content  # a random model may call until cut off
+            continue
+        assert plain.finish_reason == "stop" and not msg.content, (plain.text, msg)
+        _check_calls([(c.name, c.arguments) for c in msg.calls], set(SCHEMAS),
+                     None if parallel else 1)
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+
+
 # ---- the server -----------------------------------------------------------------------------
 
 

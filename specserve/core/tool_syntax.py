@@ -4,6 +4,8 @@ A template shows the model how to call a tool, so the same text tells us how to 
 
     ``<tool_call>`` in the source          -> "hermes" (Hermes, Qwen2/2.5/3):
                                               <tool_call>{"name": .., "arguments": ..}</tool_call>
+    ``[TOOL_CALLS]`` and ``[ARGS]``        -> "mistral_args" (Mistral Small 3.2, Magistral,
+                                              Devstral): [TOOL_CALLS]name[ARGS]{..} a call
     ``[TOOL_CALLS]``                       -> "mistral": [TOOL_CALLS][{"name": .., "arguments": ..}]
     ``<|python_tag|>`` or ``"parameters"`` -> "llama3" (Llama 3.x): {"name": .., "parameters": ..},
                                               optionally after <|python_tag|>, calls split by ";"
@@ -26,9 +28,10 @@ from typing import Any, Literal
 
 from specserve.core.errors import InvalidRequestError
 
-SyntaxName = Literal["hermes", "mistral", "llama3"]
+SyntaxName = Literal["hermes", "mistral", "mistral_args", "llama3"]
 HERMES_BEGIN, HERMES_END = "<tool_call>", "</tool_call>"
 MISTRAL_BEGIN = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"  # between a call's name and its arguments (the newer form)
 PYTHON_TAG = "<|python_tag|>"
 # JSON whitespace allowed in a forced call's arguments: the model's own ", " and ": " pass, a
 # run of blank lines (a small model's way to fill its budget) does not
@@ -55,12 +58,12 @@ class ToolSyntax:
         if HERMES_BEGIN in source:
             return ToolSyntax("hermes")
         if MISTRAL_BEGIN in source:
-            return ToolSyntax("mistral")
+            return ToolSyntax("mistral_args" if MISTRAL_ARGS in source else "mistral")
         if PYTHON_TAG in source or '"parameters"' in source:
             return ToolSyntax("llama3")
         return ToolSyntax(None, "this model's chat template renders tools, but in a call syntax "
                                 "this server does not parse (it reads Hermes/Qwen <tool_call>, "
-                                "Llama 3.x JSON and Mistral [TOOL_CALLS])")
+                                "Llama 3.x JSON and Mistral [TOOL_CALLS], both forms)")
 
     def check(self) -> SyntaxName:
         if self.name is None:
@@ -73,6 +76,7 @@ class ToolSyntax:
         """The strings that open a call (a tokenizer may hold them as special tokens, which
         decoding would drop: the request then keeps special tokens in its text)."""
         return {"hermes": (HERMES_BEGIN,), "mistral": (MISTRAL_BEGIN,),
+                "mistral_args": (MISTRAL_BEGIN, MISTRAL_ARGS),
                 "llama3": (PYTHON_TAG,)}.get(self.name or "", ())
 
     def structural_tag(self, functions: list[tuple[str, dict[str, Any]]], parallel: bool,
@@ -94,16 +98,27 @@ class ToolSyntax:
                     "at_least_one": True, "stop_after_first": not parallel,
                     "tags": [tag(begin, args_key, end, fn) for fn in functions]}
 
+        def marker(text: str) -> dict[str, Any]:
+            """The marker as its special token where the tokenizer has one, else as text."""
+            return ({"type": "token", "token": special[text]} if text in special
+                    else {"type": "const_string", "value": text})
+
         if name == "hermes":
             fmt = calls(HERMES_BEGIN + "\n", "arguments", "\n" + HERMES_END, "\n")
         elif name == "llama3":
             fmt = calls("", "parameters", "", "; ")
+        elif name == "mistral_args":  # each call its own [TOOL_CALLS]name[ARGS]{..}
+            one: dict[str, Any] = {"type": "or", "elements": [
+                {"type": "sequence", "elements": [
+                    marker(MISTRAL_BEGIN), {"type": "const_string", "value": fn_name},
+                    marker(MISTRAL_ARGS),
+                    {"type": "json_schema", "json_schema": schema,
+                     "max_whitespace_cnt": _MAX_WHITESPACE}]}
+                for fn_name, schema in functions]}
+            fmt = {"type": "plus", "content": one} if parallel else one
         else:
-            marker: dict[str, Any] = ({"type": "token", "token": special[MISTRAL_BEGIN]}
-                                      if MISTRAL_BEGIN in special else
-                                      {"type": "const_string", "value": MISTRAL_BEGIN})
             fmt = {"type": "sequence", "elements": [
-                marker, {"type": "const_string", "value": "["},
+                marker(MISTRAL_BEGIN), {"type": "const_string", "value": "["},
                 calls("", "arguments", "", ", "), {"type": "const_string", "value": "]"}]}
         return json.dumps({"type": "structural_tag", "format": fmt})
 

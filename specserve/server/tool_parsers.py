@@ -16,7 +16,8 @@ The rules, the same in every syntax:
 - whitespace between content and a call is dropped.
 
 Hermes/Qwen: ``<tool_call>{json}</tool_call>`` blocks anywhere in the text (the closing tag may
-be missing at the very end). Mistral: ``[TOOL_CALLS]`` then a JSON array of calls. Llama 3.x: the
+be missing at the very end). Mistral: ``[TOOL_CALLS]`` then a JSON array of calls, or (the newer
+form) ``[TOOL_CALLS]name[ARGS]{arguments}`` for each call. Llama 3.x: the
 whole answer is calls (``{"name": .., "parameters": ..}`` objects split by ``;``, optionally after
 ``<|python_tag|>``); an answer that does not start that way is content.
 """
@@ -24,11 +25,13 @@ whole answer is calls (``{"name": .., "parameters": ..}`` objects split by ``;``
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from specserve.core.tool_syntax import (
     HERMES_BEGIN,
     HERMES_END,
+    MISTRAL_ARGS,
     MISTRAL_BEGIN,
     PYTHON_TAG,
     SyntaxName,
@@ -111,7 +114,7 @@ def _blocks(syntax: SyntaxName, text: str, final: bool) -> list[Item]:
                 tail = tail[:_held_prefix(tail, (begin,))].rstrip()
             out.text(tail, before_call=False)
             return out.items
-        block = (_hermes_block if syntax == "hermes" else _mistral_block)(text, start, final)
+        block = _BLOCK_READERS[syntax](text, start, final)
         if block is None:  # unfinished: nothing from here on is known yet
             out.text(text[pos:start], before_call=True)
             return out.items
@@ -158,6 +161,53 @@ def _mistral_block(text: str, start: int, final: bool
     if not values or any(c is None for c in calls):
         return end, None
     return end, calls  # type: ignore[return-value]
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
+_CALL_ID = "[CALL_ID]"  # some Mistral templates put an id between the name and [ARGS]
+
+
+def _mistral_args_block(text: str, start: int, final: bool
+                        ) -> tuple[int, list[ParsedCall] | None] | None:
+    """``[TOOL_CALLS]name[ARGS]{json}`` (or ``name[CALL_ID]id[ARGS]{json}``) at ``start``."""
+    at = start + len(MISTRAL_BEGIN)
+    args = text.find(MISTRAL_ARGS, at)
+    if args == -1:  # the name and [ARGS] may still be arriving
+        if final or not _may_become_call(text[at:]):
+            return (len(text) if final else at), None
+        return None
+    head = text[at:args]
+    name = head.split(_CALL_ID, 1)[0]
+    if not _NAME.fullmatch(name) or not (head == name or head.startswith(name + _CALL_ID)):
+        return at, None  # not a call: the marker is the model's text
+    body = args + len(MISTRAL_ARGS)
+    try:
+        value, end = _decoder.raw_decode(text, body + len(text[body:]) - len(text[body:].lstrip()))
+    except ValueError:
+        if not final:
+            return None  # unfinished (or malformed: known at the end)
+        return body, None  # the rest may hold further calls
+    call = call_of({"name": name, "arguments": value})
+    return end, None if call is None else [call]
+
+
+def _may_become_call(head: str) -> bool:
+    """Whether text after [TOOL_CALLS] can still grow into ``name[ARGS]`` or
+    ``name[CALL_ID]id[ARGS]``."""
+    name, bracket, rest = head.partition("[")
+    if name and not _NAME.fullmatch(name):
+        return False
+    rest = bracket + rest
+    if not rest or MISTRAL_ARGS.startswith(rest) or _CALL_ID.startswith(rest):
+        return True
+    if not rest.startswith(_CALL_ID):
+        return False
+    tail = rest[len(_CALL_ID):]
+    return "[" not in tail or MISTRAL_ARGS.startswith(tail[tail.index("["):])
+
+
+_BLOCK_READERS = {"hermes": _hermes_block, "mistral": _mistral_block,
+                  "mistral_args": _mistral_args_block}
 
 
 def _llama3(text: str, final: bool) -> list[Item]:
