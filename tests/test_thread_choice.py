@@ -276,6 +276,17 @@ def test_num_threads_fixes_the_team_and_placement_is_measured(model_dir, monkeyp
     assert _ready_line(caplog).endswith(f"; {engine.threads.describe()}")
 
 
+def test_num_threads_unmeasured_resets_an_earlier_team(model_dir, monkeypatch, restored):
+    """Not measured (--no-kernel-tuning), --num-threads 2 runs a team of 2 even where an engine
+    built before in the process left the pool on a team of its own."""
+    monkeypatch.delenv(thread_policy.ENV, raising=False)
+    ThreadSetup(1, ThreadPolicy(threads=3)).apply()
+    engine = LLMEngine(engine_config(model_dir, draft_model="none", num_threads=2,
+                                     kernel_tuning=False))
+    assert engine.threads.setup.team == 2 and engine.threads.setup.torch_threads == 2
+    assert engine.threads.how == "team fixed by --num-threads 2, defaults (--no-kernel-tuning)"
+
+
 def test_a_malformed_policy_variable_is_a_config_error(model_dir, monkeypatch):
     monkeypatch.setenv(thread_policy.ENV, "spin=5")
     with pytest.raises(ConfigError, match="SPECSERVE_THREAD_POLICY.*unset "

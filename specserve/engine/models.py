@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from specserve.core.errors import ModelLoadError
+from specserve.core.errors import ModelLoadError, UnsupportedArchitectureError
 from specserve.target.loader import gguf_cache_dir, is_gguf, write_dir_atomically
 
 log = logging.getLogger(__name__)
@@ -172,11 +172,17 @@ def _tokenizer_of_gguf_arch(path: Path) -> Any:
     arch = gguf.fields.get("general.architecture")
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
         return _tokenizer_from_gguf_metadata(path)
-    if arch not in GGUF_ARCHITECTURES:  # not ours to serve; AutoTokenizer's own reading
+    try:
+        model_type = hf_config_from_gguf(gguf).model_type if arch in GGUF_ARCHITECTURES else None
+    except UnsupportedArchitectureError:
+        model_type = None  # the model is refused on its own; its tokenizer may still be read
+    if model_type is None:  # not ours to serve: AutoTokenizer's own (slower) reading
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    name = TOKENIZER_MAPPING_NAMES.get(hf_config_from_gguf(gguf).model_type)
+    name = TOKENIZER_MAPPING_NAMES.get(model_type)
+    if isinstance(name, (tuple, list)):  # (slow, fast) in some transformers versions
+        name = next((n for n in reversed(name) if n), None)
     cls = tokenizer_class_from_name(name) if name else None
     if cls is None:
         from transformers import TokenizersBackend as cls

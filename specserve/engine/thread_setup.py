@@ -62,7 +62,11 @@ def choose_threads(config: ResolvedConfig, runner: ModelRunner, *,
         if quant_ext.load.cache_info().currsize:
             thread_policy.apply(policy)
         return ThreadChoice(ThreadSetup.current(), f"fixed by {config.threads_fixed_by}")
-    fixed = f"team fixed by --num-threads {team}, " if team else ""
+    fixed = ""
+    if team:  # the team follows --num-threads until a measured placement says otherwise
+        fixed = f"team fixed by --num-threads {team}, "
+        if quant_ext.load.cache_info().currsize:
+            thread_policy.apply(dataclasses.replace(thread_policy.in_force(), threads=0))
     if not config.kernel_tuning:
         return ThreadChoice(ThreadSetup.current(), f"{fixed}defaults (--no-kernel-tuning)")
     groups = model_groups(runner.model)
