@@ -30,15 +30,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.draft.eagle_head import EagleMeta
+from specserve.draft.eagle_head import EagleMeta, attach_target_tables
 from specserve.kernels.linear import DenseLinear
 from specserve.kernels.metadata import AttentionMetadata
 from specserve.kernels.registry import AttentionBackend
-from specserve.kernels.rotary import RotaryEmbedding
 from specserve.target.config import ModelConfig
 from specserve.target.layers import MLP, Attention, KVCache, RMSNorm
-
-HEAD_IDS = "head_token_ids"
 
 
 @dataclass(frozen=True)
@@ -113,10 +110,7 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(hidden, eps, **factory)
         self.lm_head = DenseLinear(hidden, len(head_token_ids), bias=False, **factory)
         self.head_token_ids: torch.Tensor
-        self.register_buffer(HEAD_IDS, head_token_ids.to(torch.int64))
-        self.embed = embed.detach()  # a Parameter would register (and be saved)
-        rotary_device = "cpu" if device is None or torch.device(device).type == "meta" else device
-        self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, rotary_device)
+        attach_target_tables(self, config, head_token_ids, embed, device)
 
     def fuse(self, layer_feats: torch.Tensor) -> torch.Tensor:
         """[T, n_aux * H_target] target hidden states -> g [T, H]."""

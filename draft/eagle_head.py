@@ -64,6 +64,17 @@ class EagleMeta:
     vocab_size: int
 
 
+def attach_target_tables(head: nn.Module, config: ModelConfig, head_token_ids: torch.Tensor,
+                         embed: torch.Tensor, device: torch.device | str | None) -> None:
+    """What every EAGLE head keeps of its target: the head's token ids (a buffer, saved with
+    it), the target's embedding table (not a Parameter: never registered nor saved) and the
+    rotary table (on the CPU while the head is built on meta)."""
+    head.register_buffer(HEAD_IDS, head_token_ids.to(torch.int64))
+    head.embed = embed.detach()
+    rotary_device = "cpu" if device is None or torch.device(device).type == "meta" else device
+    head.rotary = RotaryEmbedding(config.hf_config, config.head_dim, rotary_device)
+
+
 class EagleHead(nn.Module):
     """The head's parameters and its two forward paths: ``step`` on the engine's paged KV, and
     the dense training path in ``distill.eagle_train`` (which reuses these modules).
@@ -91,10 +102,7 @@ class EagleHead(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps, **factory)
         self.lm_head = DenseLinear(hidden, len(head_token_ids), bias=False, **factory)
         self.head_token_ids: torch.Tensor
-        self.register_buffer(HEAD_IDS, head_token_ids.to(torch.int64))
-        self.embed = embed.detach()  # a Parameter would register (and be saved)
-        rotary_device = "cpu" if device is None or torch.device(device).type == "meta" else device
-        self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, rotary_device)
+        attach_target_tables(self, config, head_token_ids, embed, device)
 
     def fuse(self, layer_feats: torch.Tensor) -> torch.Tensor:
         """[T, len(target_layers) * hidden] target hidden states -> features g [T, hidden]."""
