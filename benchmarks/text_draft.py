@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-QWEN = Path.home() / ".cache/specserve-bench/qwen/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+from benchmarks.fetch_qwen import DEFAULT_DEST as QWEN  # noqa: E402  (fetch_qwen.py writes it)
 
 
 @dataclass
