@@ -241,6 +241,19 @@ def unpack(fmt: str, n: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor 
 
 
 _DEFAULT_KERNEL = 4  # AVX2, 4 rows per pass: runs on every CPU the extension builds for
+# The C++ kernels' code classes (qgemm.cpp): (lowest, highest) int8 code of each class 1-3. A
+# tensor whose codes all fall in a class's range runs the offset form (no sign instructions:
+# same bits, fewer instructions a row); class 0 holds for any codes.
+_CODE_CLASSES = {1: (0, 31), 2: (-16, 15), 3: (-32, 31)}
+
+
+def code_class(qs: torch.Tensor) -> int:
+    """The block kernels' code class of int8 planes (0 for Q4_1's packed nibbles, or codes
+    outside every class's range), read off the codes themselves, so it holds by construction."""
+    if qs.dtype != torch.int8 or qs.numel() == 0:
+        return 0
+    lo, hi = int(qs.min()), int(qs.max())
+    return next((c for c, (a, b) in _CODE_CLASSES.items() if a <= lo and hi <= b), 0)
 _kernel_codes = functools.cache(quant_ext.kernel_code)
 
 
@@ -280,6 +293,7 @@ class BlockQuantLinear(nn.Module):
         self._dense: torch.Tensor | None = None
         self._ext = quant_ext.load() if quant_ext.available() else None
         self._planes = self._plain_planes()
+        self._class_bits = 256 * code_class(self.qs)  # or'ed into every kernel argument
 
     def _plain_planes(self) -> tuple:
         """The buffers as plain attributes: a decode step makes 121 of these calls, and reading
@@ -302,9 +316,11 @@ class BlockQuantLinear(nn.Module):
         return self.out_features % LANES != 0
 
     def kernel(self, rows: int) -> int:
-        """block_linear's kernel argument for ``rows`` rows (32 * isa + rows per pass)."""
+        """block_linear's kernel argument for ``rows`` rows (256 * code class + 32 * isa + rows
+        per pass)."""
         plan = self.rows_plan
-        return _DEFAULT_KERNEL if plan is None else _kernel_codes(plan.get(rows))
+        return self._class_bits | (_DEFAULT_KERNEL if plan is None
+                                   else _kernel_codes(plan.get(rows)))
 
     @property
     def has_kernel(self) -> bool:
@@ -320,13 +336,13 @@ class BlockQuantLinear(nn.Module):
         return self.run(x, self.kernel(x.shape[0]))
 
     def run(self, x: torch.Tensor, kernel: int = _DEFAULT_KERNEL) -> torch.Tensor:
-        """y for x with block_linear's ``kernel`` (32 * isa + rows per pass; the dense fallback
-        ignores it)."""
+        """y for x with block_linear's ``kernel`` (32 * isa + rows per pass; this layer's code
+        class is added; the dense fallback ignores it)."""
         ext = self._ext
         if ext is not None and x.device.type == "cpu":
             if x.dtype != torch.float32 or not x.is_contiguous():
                 x = x.to(torch.float32).contiguous()
-            y = ext.block_linear(x, *self._planes, kernel)  # any format (Q8_F included)
+            y = ext.block_linear(x, *self._planes, kernel | self._class_bits)  # any format
             return y[:, : self.out_features].contiguous() if self.padded else y
         if self._dense is None or self._dense.device != x.device:
             self._dense = self.weight.dequantize().to(x.device)

@@ -14,7 +14,12 @@ import torch
 
 from specserve.kernels import quant_ext, thread_policy
 from specserve.kernels.gguf_blocks import GGUF_TYPES
-from specserve.kernels.quant import BlockQuantLinear, BlockQuantWeight, from_gguf_blocks
+from specserve.kernels.quant import (
+    BlockQuantLinear,
+    BlockQuantWeight,
+    code_class,
+    from_gguf_blocks,
+)
 from specserve.kernels.thread_policy import ThreadPolicy
 from tests.helpers.gguf_blocks import random_blocks
 
@@ -104,6 +109,47 @@ def test_rows_equal_the_one_row_call_bit_for_bit(type_name):
                 for rows in range(1, 18):
                     got = lin.run(x[:rows], code)
                     assert torch.equal(got, single[:rows]), (threads, code, rows)
+
+
+# The kernels' code class each type's codes fall in (kernels/quant.py, qgemm.cpp): the offset
+# forms for the small-range codes, the sign form for Q8_0 and Q4_1's packed nibbles.
+EXPECTED_CLASS = {"Q4_0": 0, "Q4_1": 0, "Q8_0": 0, "Q5_0": 2, "Q5_1": 1, "Q4_K": 1, "Q5_K": 1,
+                  "Q6_K": 3}
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_code_class_forms_equal_the_sign_form_bit_for_bit(type_name):
+    """Every row count, rows per pass and thread count: the layer's offset form (u = q + off,
+    16-bit sums of pair products) gives the sign form's bits, since both integer dots are exact."""
+    n, k = 200, 512
+    w = from_gguf_blocks(type_name, random_blocks(type_name, n, k, 11), (n, k))
+    lin = BlockQuantLinear(w, torch.randn(n))
+    cls = code_class(lin.qs)
+    assert cls == EXPECTED_CLASS[type_name]
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(12))
+    for threads in (1, 2):
+        with _threads(threads):
+            for code in (quant_ext.kernel_code(f"avx2/{r}") for r in (1, 2, 4, 8)):
+                for rows in range(1, 18):
+                    sign = ext.block_linear(x[:rows], *lin.planes, code)
+                    offset = ext.block_linear(x[:rows], *lin.planes, code | 256 * cls)
+                    assert torch.equal(sign, offset), (threads, code, rows)
+
+
+def test_code_class_holds_for_every_code():
+    """A class is chosen only when every code lies in its range: one code outside (Q5_0's
+    range plus a 16, a Q6_K range plus a -33, a 32) falls back to a wider class or the sign form."""
+    def q(*codes: int) -> torch.Tensor:
+        return torch.tensor(codes, dtype=torch.int8)
+
+    assert code_class(q(0, 31)) == 1
+    assert code_class(q(-16, 15)) == 2
+    assert code_class(q(-16, 16)) == 3
+    assert code_class(q(-32, 31)) == 3
+    assert code_class(q(-33, 0)) == 0
+    assert code_class(q(0, 32)) == 0  # above class 1 and class 3 ranges
+    assert code_class(q(0, 127)) == 0
+    assert code_class(torch.zeros(4, dtype=torch.uint8)) == 0  # Q4_1's packed nibbles
 
 
 def test_mixed_formats_fuse_exactly():

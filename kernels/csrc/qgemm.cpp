@@ -15,7 +15,8 @@
 // Per feature and block: an exact int32 dot product of the block, then acc += float(dot) *
 // (d * dx) (+ m * sum(x) for Q4_1), blocks in order.
 //
-// Instruction sets (the ``kernel`` argument, 32 * isa + rows per pass): 0 AVX2 (maddubs: 16-bit
+// Instruction sets (the ``kernel`` argument, 256 * code class + 32 * isa + rows per pass; the
+// code classes are above q8_group): 0 AVX2 (maddubs: 16-bit
 // pair sums, widened), 1 AVX-VNNI and 2 AVX-512 VNNI (dpbusd: 4 products straight into int32;
 // the 512-bit form runs two groups, 16 features, per instruction). Q8_0's signed codes go in
 // as unsigned w + 128 and lose 128 * sum(x) after (exact). Rows per pass: 1, 2, 4 or 8 (that
@@ -60,8 +61,10 @@ inline float hsum(__m256 v) {
 }
 
 // One row of activations -> int8 per block of 32 (scale amax/127, round to nearest even) plus
-// the block scale and the exact float sum of the block (for Q4_1's min term).
-void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* xs) {
+// the block scale, the exact float sum of the block (for Q4_1's min term) and the exact integer
+// sums of its codes, per block and per half block of 16 (for the offset code classes below).
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* xs,
+                  int32_t* xh) {
   const int64_t KB = K / QK;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < KB; ++b) {
@@ -84,16 +87,18 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx, i
     sx[b] = hsum(sum);
     const __m256 vid = _mm256_set1_ps(id);
     __m256i i32[4];
-    __m256i isum = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       __m256 s = _mm256_round_ps(_mm256_mul_ps(v[j], vid),
                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       i32[j] = _mm256_cvtps_epi32(s);
-      isum = _mm256_add_epi32(isum, i32[j]);
     }
-    alignas(32) int32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), isum);
-    xs[b] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    alignas(32) int32_t lanes[2][8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), _mm256_add_epi32(i32[0], i32[1]));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[1]), _mm256_add_epi32(i32[2], i32[3]));
+    for (int h = 0; h < 2; ++h)
+      xh[2 * b + h] = lanes[h][0] + lanes[h][1] + lanes[h][2] + lanes[h][3] + lanes[h][4] +
+                      lanes[h][5] + lanes[h][6] + lanes[h][7];
+    xs[b] = xh[2 * b] + xh[2 * b + 1];
     // Pack 32 int32 -> 32 int8 in order (packs work per 128-bit lane; permute restores order).
     __m256i p01 = _mm256_packs_epi32(i32[0], i32[1]);
     __m256i p23 = _mm256_packs_epi32(i32[2], i32[3]);
@@ -110,6 +115,7 @@ struct QuantRows {
   std::vector<float> dx;   // [M, KB] block scales
   std::vector<float> sx;   // [M, KB] block float sums
   std::vector<int32_t> xs;  // [M, KB] block code sums (Q8_0 under dpbusd)
+  std::vector<int32_t> xh;  // [M, KB, 2] half-block code sums (the offset code classes)
 };
 
 const QuantRows& quantize_rows(const at::Tensor& x) {
@@ -119,14 +125,17 @@ const QuantRows& quantize_rows(const at::Tensor& x) {
   q.dx.resize(M * KB);
   q.sx.resize(M * KB);
   q.xs.resize(M * KB);
+  q.xh.resize(M * KB * 2);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.xq.data();
   float* dp = q.dx.data();
   float* sp = q.sx.data();
   int32_t* ip = q.xs.data();
+  int32_t* hp = q.xh.data();
   parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      quantize_row(xp + i * K, K, qp + i * K, dp + i * KB, sp + i * KB, ip + i * KB);
+      quantize_row(xp + i * K, K, qp + i * K, dp + i * KB, sp + i * KB, ip + i * KB,
+                   hp + i * KB * 2);
   });
   return q;
 }
@@ -216,34 +225,85 @@ void q4_group(int64_t g, int64_t i0, int64_t KB, const uint8_t* qs, const uint16
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
-// Q8_0, 8 features interleaved: per (group, block) 256 bytes = 8 vectors; byte 4c+t of vector v
-// holds q[c][4v+t]. Signed codes: |w| times x carrying w's sign (maddubs takes unsigned x
-// signed), and each product pair (<= 2*127*127) needs its own 32-bit widening.
-template <int R>
+// Code classes (kernel / 256, set per tensor from its codes' range by kernels/quant.py) of the
+// int8 codes in the Q8_0 layout (Q8_0 itself, Q5_0) and the Q8_F form below:
+//   class 0: any int8: |w| times x carrying w's sign (maddubs takes unsigned x signed); each
+//            product pair (<= 2*128*127) needs its own 32-bit widening;
+//   class 1: 0..31 (Q5_1, Q4_K, Q5_K), class 2: -16..15 (Q5_0), class 3: -32..31 (Q6_K):
+//            u = q + off (0, 16, 32) is a non-negative byte maddubs takes as is, and NS of its
+//            16-bit pair sums (each <= 2 * umax * 127: NS 4 for umax 31, 2 for 63) add up in 16
+//            bits before one widening; dot = sum(u * x) - off * sum(x).
+// Every integer dot is exact, so all classes give a tensor the same sums and the same bits; the
+// small-range ones take about a third fewer instructions a row.
+constexpr int kCodeClasses = 4;
+constexpr int kClassOffset[kCodeClasses] = {0, 0, 16, 32};
+
+// A block's 8 code vectors (256 bytes at p) plus the byte offset in vo, as unsigned bytes.
+inline void load_offset_codes(const int8_t* p, __m256i vo, __m256i* u) {
+  for (int v = 0; v < 8; ++v)
+    u[v] = _mm256_add_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v)), vo);
+}
+
+// One block of 8 interleaved features (byte 4c+t of vector v holds q[c][4v+t]) held for the
+// rows' dots: NS 0 the class-0 sign form, else class NS's offset form.
+template <int NS>
+struct BlockCodes {
+  __m256i w[8], a[8];  // NS 0: the codes and their magnitudes; else w holds u = q + off
+
+  void load(const int8_t* p, __m256i vo) {
+    if constexpr (NS == 0) {
+      for (int v = 0; v < 8; ++v) {
+        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v));
+        a[v] = _mm256_sign_epi8(w[v], w[v]);
+      }
+    } else {
+      load_offset_codes(p, vo, w);
+    }
+  }
+
+  // Half h (codes 16h..16h+15, vectors 4h..4h+3) against row codes xb: the exact int32 dot per
+  // feature, less off * sum(x) (the caller's, for NS > 0).
+  __m256i half(const int8_t* xb, int h) const {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s = _mm256_setzero_si256();
+    if constexpr (NS == 0) {
+      for (int v = 4 * h; v < 4 * h + 4; ++v)
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(a[v], _mm256_sign_epi8(bcast4(xb + 4 * v), w[v])), ones));
+    } else {
+      for (int v0 = 4 * h; v0 < 4 * h + 4; v0 += NS) {
+        __m256i p = _mm256_maddubs_epi16(w[v0], bcast4(xb + 4 * v0));
+        for (int v = v0 + 1; v < v0 + NS; ++v)
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[v], bcast4(xb + 4 * v)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+      }
+    }
+    return s;
+  }
+};
+
+// Q8_0 layout, 8 features interleaved: per (group, block) 256 bytes = 8 vectors and 8 float16
+// scales; acc += dot * (d * dx) per block. NS picks the code class's form (BlockCodes).
+template <int R, int NS>
 void q8_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const uint16_t* d,
-              const int8_t* xq, const float* dx, int64_t K, __m256* out) {
+              const int8_t* xq, const float* dx, const int32_t* xs, int off, int64_t K,
+              __m256* out) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const int8_t* qg = qs + g * KB * 256;
   const uint16_t* dg = d + g * KB * 8;
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i vo = _mm256_set1_epi8(static_cast<char>(off));
   for (int64_t b = 0; b < KB; ++b) {
     prefetch_codes<256>(qg, b);
     prefetch_scales<256>(dg, b);
-    __m256i w[8], a[8];
-    for (int v = 0; v < 8; ++v) {
-      w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + b * 256 + 32 * v));
-      a[v] = _mm256_sign_epi8(w[v], w[v]);
-    }
+    BlockCodes<NS> c;
+    c.load(qg + b * 256, vo);
     const __m256 dv = load_half8(dg + b * 8);
     for (int r = 0; r < R; ++r) {
       const int64_t i = i0 + r;
       const int8_t* xb = xq + i * K + b * QK;
-      __m256i s =
-          _mm256_madd_epi16(_mm256_maddubs_epi16(a[0], _mm256_sign_epi8(bcast4(xb), w[0])), ones);
-      for (int v = 1; v < 8; ++v)
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(
-                _mm256_maddubs_epi16(a[v], _mm256_sign_epi8(bcast4(xb + 4 * v), w[v])), ones));
+      __m256i s = _mm256_add_epi32(c.half(xb, 0), c.half(xb, 1));
+      if constexpr (NS > 0) s = _mm256_add_epi32(s, _mm256_set1_epi32(-off * xs[i * KB + b]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
                                _mm256_mul_ps(dv, _mm256_set1_ps(dx[i * KB + b])), acc[r]);
     }
@@ -314,9 +374,7 @@ SPECSERVE_TARGET_VNNI void q8_group_vnni(int64_t g, int64_t i0, int64_t KB, cons
     prefetch_codes<256>(qg, b);
     prefetch_scales<256>(dg, b);
     __m256i u[8];  // w + 128 as unsigned bytes
-    for (int v = 0; v < 8; ++v)
-      u[v] = _mm256_xor_si256(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + b * 256 + 32 * v)), flip);
+    load_offset_codes(qg + b * 256, flip, u);
     const __m256 dv = load_half8(dg + b * 8);
     for (int r = 0; r < R; ++r) {
       const int64_t i = i0 + r;
@@ -451,24 +509,21 @@ SPECSERVE_TARGET_AVX512 void q8_pair_avx512(int64_t g, int64_t i0, int64_t KB, c
 // float16, hence their own form. Per feature and block: two exact int32 dots (codes 0-15 and
 // 16-31), acc += dot_lo * (d_lo * dx) + dot_hi * (d_hi * dx) (+ m * sum(x)), blocks in order:
 // the same instructions whatever the row count, rows per pass or thread split.
-template <int R>
+template <int R, int NS>
 void q8f_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const float* d,
-               const float* m, const int8_t* xq, const float* dx, const float* sx, int64_t K,
-               __m256* out) {
+               const float* m, const int8_t* xq, const float* dx, const float* sx,
+               const int32_t* xh, int off, int64_t K, __m256* out) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const int8_t* qg = qs + g * KB * 256;
   const float* dg = d + g * KB * 16;
   const float* mg = m == nullptr ? nullptr : m + g * KB * 8;
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i vo = _mm256_set1_epi8(static_cast<char>(off));
   for (int64_t b = 0; b < KB; ++b) {
     prefetch_codes<256>(qg, b);
     prefetch_at(dg, b * 64 + kPrefetchBytes / 4);
-    __m256i w[8], a[8];
-    for (int v = 0; v < 8; ++v) {
-      w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + b * 256 + 32 * v));
-      a[v] = _mm256_sign_epi8(w[v], w[v]);
-    }
+    BlockCodes<NS> c;
+    c.load(qg + b * 256, vo);
     const __m256 d0 = _mm256_loadu_ps(dg + b * 16);
     const __m256 d1 = _mm256_loadu_ps(dg + b * 16 + 8);
     const __m256 mv = mg == nullptr ? _mm256_setzero_ps() : _mm256_loadu_ps(mg + b * 8);
@@ -477,13 +532,9 @@ void q8f_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const float*
       const int8_t* xb = xq + i * K + b * QK;
       __m256i s[2];
       for (int h = 0; h < 2; ++h) {
-        const int v0 = 4 * h;
-        s[h] = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(a[v0], _mm256_sign_epi8(bcast4(xb + 4 * v0), w[v0])), ones);
-        for (int v = v0 + 1; v < v0 + 4; ++v)
-          s[h] = _mm256_add_epi32(s[h], _mm256_madd_epi16(
-                     _mm256_maddubs_epi16(a[v], _mm256_sign_epi8(bcast4(xb + 4 * v), w[v])),
-                     ones));
+        s[h] = c.half(xb, h);
+        if constexpr (NS > 0)
+          s[h] = _mm256_add_epi32(s[h], _mm256_set1_epi32(-off * xh[2 * (i * KB + b) + h]));
       }
       const __m256 xd = _mm256_set1_ps(dx[i * KB + b]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(d0, xd), acc[r]);
@@ -502,15 +553,27 @@ struct ScaledJob {
   const int8_t* xq;
   const float* dx;
   const float* sx;
+  const int32_t* xh;
   float* y;
   int64_t M, K, KB, N;
   int rows_per_pass;
+  int code_class;
 };
 
 template <int R>
 void q8f_pass(const ScaledJob& j, int64_t g, int64_t i) {
   __m256 out[R];
-  q8f_group<R>(g, i, j.KB, j.qs, j.d, j.m, j.xq, j.dx, j.sx, j.K, out);
+  const int off = kClassOffset[j.code_class];
+  switch (j.code_class) {
+    case 0:
+      q8f_group<R, 0>(g, i, j.KB, j.qs, j.d, j.m, j.xq, j.dx, j.sx, j.xh, 0, j.K, out);
+      break;
+    case 3:
+      q8f_group<R, 2>(g, i, j.KB, j.qs, j.d, j.m, j.xq, j.dx, j.sx, j.xh, off, j.K, out);
+      break;
+    default:
+      q8f_group<R, 4>(g, i, j.KB, j.qs, j.d, j.m, j.xq, j.dx, j.sx, j.xh, off, j.K, out);
+  }
   const __m256 bv = j.bias != nullptr ? _mm256_loadu_ps(j.bias + 8 * g) : _mm256_setzero_ps();
   for (int r = 0; r < R; ++r)
     _mm256_storeu_ps(j.y + (i + r) * j.N + 8 * g,
@@ -543,6 +606,7 @@ struct Job {
   float* y;
   int64_t M, K, KB, N;
   int rows_per_pass;
+  int code_class;
 };
 
 // Each ISA's pass: rows i..i+R-1 of group g (of groups g, g + 1 for AVX-512), bias added, stored.
@@ -550,11 +614,16 @@ struct Job {
 template <int R>
 void avx2_pass(const Job& j, int64_t g, int64_t i) {
   __m256 out[R];
+  const int8_t* q8 = static_cast<const int8_t*>(j.qs);
   if (j.m != nullptr)
     q4_group<R>(g, i, j.KB, static_cast<const uint8_t*>(j.qs), j.d, j.m, j.xq, j.dx, j.sx, j.K,
                 out);
+  else if (j.code_class == 0)
+    q8_group<R, 0>(g, i, j.KB, q8, j.d, j.xq, j.dx, j.xs, 0, j.K, out);
+  else if (j.code_class == 3)
+    q8_group<R, 2>(g, i, j.KB, q8, j.d, j.xq, j.dx, j.xs, 32, j.K, out);
   else
-    q8_group<R>(g, i, j.KB, static_cast<const int8_t*>(j.qs), j.d, j.xq, j.dx, j.K, out);
+    q8_group<R, 4>(g, i, j.KB, q8, j.d, j.xq, j.dx, j.xs, kClassOffset[j.code_class], j.K, out);
   const __m256 bv = j.bias != nullptr ? _mm256_loadu_ps(j.bias + 8 * g) : _mm256_setzero_ps();
   for (int r = 0; r < R; ++r)
     _mm256_storeu_ps(j.y + (i + r) * j.N + 8 * g,
@@ -677,7 +746,9 @@ at::Tensor scaled_block_linear(const at::Tensor& x, const at::Tensor& qs, const 
                                const c10::optional<at::Tensor>& m,
                                const c10::optional<at::Tensor>& bias, int64_t kernel);
 
-// kernel = 32 * isa + rows_per_pass (see the header). Q8_F planes (float32 scales
+// kernel = 256 * code class + 32 * isa + rows_per_pass (see the header and the code classes).
+// The class is the caller's statement about the codes' range (kernels/quant.py measures it on
+// the planes); class 0 holds for any codes. Q8_F planes (float32 scales
 // [G, KB, 2, 8]) go to scaled_block_linear, so every caller (the whole-layer path of fused.cpp
 // too) runs any format through this one entry.
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
@@ -700,7 +771,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
                       m->scalar_type() == at::kHalf),
               "mins must be like scales");
   TORCH_CHECK(!bias.has_value() || bias->numel() == N, "bias must have N (padded to 8) entries");
-  const int64_t isa = kernel / 32, rows_per_pass = kernel % 32;
+  const int64_t code_class = kernel / 256, isa = kernel % 256 / 32, rows_per_pass = kernel % 32;
+  TORCH_CHECK(code_class >= 0 && code_class < kCodeClasses, "kernel / 256 (code class) must be 0-",
+              kCodeClasses - 1, ", got ", code_class);
   TORCH_CHECK(rows_per_pass == 1 || rows_per_pass == 2 || rows_per_pass == 4 ||
                   rows_per_pass == 8 || (rows_per_pass == 16 && isa == 2),
               "kernel % 32 (rows per pass) must be 1, 2, 4 or 8, or 16 for AVX-512 VNNI (isa 2), "
@@ -723,7 +796,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
                 K,
                 KB,
                 N,
-                static_cast<int>(rows_per_pass)};
+                static_cast<int>(rows_per_pass),
+                q4 ? 0 : static_cast<int>(code_class)};
   // Split over groups of 8 output features only: a row's sums never depend on the thread split.
   // A few chunks a thread (the policy's chunks per thread), claimed as threads come free
   // (kernels/csrc/pool.h); under the openmp policy one static piece a thread, as before.
@@ -764,7 +838,9 @@ at::Tensor scaled_block_linear(const at::Tensor& x, const at::Tensor& qs, const 
                                  m->is_contiguous() && m->scalar_type() == at::kFloat),
               "mins must be float32 [N / 8, K / 32, 8]");
   TORCH_CHECK(!bias.has_value() || bias->numel() == N, "bias must have N (padded to 8) entries");
-  const int64_t rows_per_pass = std::min<int64_t>(kernel % 32, 8);
+  const int64_t code_class = kernel / 256, rows_per_pass = std::min<int64_t>(kernel % 32, 8);
+  TORCH_CHECK(code_class >= 0 && code_class < kCodeClasses, "kernel / 256 (code class) must be 0-",
+              kCodeClasses - 1, ", got ", code_class);
   TORCH_CHECK(rows_per_pass == 1 || rows_per_pass == 2 || rows_per_pass == 4 ||
                   rows_per_pass == 8,
               "kernel % 32 (rows per pass) must be 1, 2, 4, 8 or 16, got ", kernel % 32);
@@ -774,8 +850,9 @@ at::Tensor scaled_block_linear(const at::Tensor& x, const at::Tensor& qs, const 
   const ScaledJob job{qs.data_ptr<int8_t>(), d.data_ptr<float>(),
                       m.has_value() ? m->data_ptr<float>() : nullptr,
                       bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                      xr.xq.data(), xr.dx.data(), xr.sx.data(), y.data_ptr<float>(),
-                      M, K, KB, N, static_cast<int>(rows_per_pass)};
+                      xr.xq.data(), xr.dx.data(), xr.sx.data(), xr.xh.data(),
+                      y.data_ptr<float>(), M, K, KB, N, static_cast<int>(rows_per_pass),
+                      static_cast<int>(code_class)};
   // Split over groups of 8 output features only, as block_linear.
   const int64_t cuts = specserve::pool::team_size() *
                        (specserve::pool::dynamic() ? specserve::pool::chunks_per_thread() : 4);
