@@ -142,6 +142,9 @@ def check_sizes(batch_sizes: list[int], contexts: list[int], new_tokens: int, st
     if min([*batch_sizes, *contexts, new_tokens, steps, rounds]) < 1:
         raise BenchError("--batch-sizes, --contexts, --new-tokens, --steps and --rounds take "
                          "values >= 1")
+    for flag, values in (("--batch-sizes", batch_sizes), ("--contexts", contexts)):
+        if len(set(values)) != len(values):
+            raise BenchError(f"{flag} names a value twice (got {values})")
 
 
 def cells_of(model: Model, batch_sizes: list[int], contexts: list[int]) -> list[Cell]:

@@ -56,7 +56,8 @@ def test_models_errors(files, names, match):
 
 
 @pytest.mark.parametrize("sizes", [([], [], 64, 32, 3), ([0], [512], 64, 32, 3),
-                                   ([1], [512], 64, 32, 0), ([1], [-5], 64, 32, 1)])
+                                   ([1], [512], 64, 32, 0), ([1], [-5], 64, 32, 1),
+                                   ([1, 8, 1], [512], 64, 32, 1), ([1], [512, 512], 8, 8, 1)])
 def test_check_sizes_refuses(sizes):
     with pytest.raises(BenchError):
         check_sizes(*sizes)
