@@ -227,6 +227,8 @@ class Completion:
     accepted: int
     seconds: float  # send -> the whole answer (the last SSE event)
     finish_reason: str | None
+    verify_steps: int = 0  # specserve's timings.num_verify_steps (llama-server has no count)
+    draft_ms: float = 0.0  # specserve's timings.draft_ms
 
 
 def completion_body(prompt: str, max_tokens: int, *, server: str, mode: str = "off",
@@ -287,7 +289,8 @@ async def complete(session: aiohttp.ClientSession, url: str, body: dict[str, Any
         "".join(parts), int(usage.get("prompt_tokens", 0)),
         int(usage.get("completion_tokens", 0)),
         int(timings.get("num_drafted", timings.get("draft_n", 0))),
-        int(timings.get("num_accepted", timings.get("draft_n_accepted", 0))), seconds, reason)
+        int(timings.get("num_accepted", timings.get("draft_n_accepted", 0))), seconds, reason,
+        int(timings.get("num_verify_steps", 0)), float(timings.get("draft_ms", 0.0)))
 
 
 def one_line(text: str) -> str:
