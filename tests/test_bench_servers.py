@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks import llama_server, plain_decode, server_overhead, vs_llamacpp
 from benchmarks import vs_llamacpp_tables as tables
-from benchmarks.client import complete, completion_body
+from benchmarks.client import complete, completion_body, completion_of
 from benchmarks.report import BenchError, lscpu_summary
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.llm_engine import LLMEngine
@@ -58,26 +58,20 @@ def test_complete_reads_json_and_sse_alike(live, tiny):
             assert done.finish_reason == "length" and done.seconds > 0
 
 
-def test_complete_reads_the_verify_steps_of_a_drafting_answer(tiny):
-    """The tiny model drafts for itself, k fixed (the adaptive policy finds no gain in a draft
-    as large as its target): the answer's timings count verify steps and the draft's time,
-    which the benchmarks divide by."""
-    srv = ServerThread(engine_config(tiny, draft_model=tiny, num_threads=1,
-                                     adaptive_speculation=False), ServerConfig(port=0))
-
-    async def run():
-        async with aiohttp.ClientSession() as session:
-            return await complete(session, srv.url, completion_body(
-                PROMPTS[0], 16, server="specserve", mode="draft"))
-
-    try:
-        done = asyncio.run(run())
-    finally:
-        srv.stop()
-    assert done.verify_steps >= 1 and done.draft_ms > 0
-    assert done.drafted >= done.verify_steps  # a verify step checks at least one draft
-    assert done.accepted <= done.drafted
-    assert done.accepted + done.verify_steps <= done.output_tokens  # each step emits its own
+def test_completion_counts_read_either_servers_timings():
+    ours = completion_of("x", {"prompt_tokens": 5, "completion_tokens": 16},
+                         {"num_drafted": 12, "num_accepted": 7, "num_verify_steps": 4,
+                          "draft_ms": 3.5, "speculative_method": "text_draft"}, 0.5, "length")
+    assert (ours.drafted, ours.accepted, ours.verify_steps, ours.draft_ms) == (12, 7, 4, 3.5)
+    assert (ours.prompt_tokens, ours.output_tokens, ours.finish_reason) == (5, 16, "length")
+    # llama-server's names; it counts no verify steps
+    theirs = completion_of("x", {"prompt_tokens": 5, "completion_tokens": 16},
+                           {"draft_n": 9, "draft_n_accepted": 3}, 0.5, "stop")
+    assert (theirs.drafted, theirs.accepted, theirs.verify_steps) == (9, 3, 0)
+    plain = completion_of("x", {"completion_tokens": 16}, {}, 0.5, "stop")
+    assert (plain.drafted, plain.accepted, plain.verify_steps, plain.draft_ms) == (0, 0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="no usage"):
+        completion_of("x", None, {}, 0.5, "stop")
 
 
 def test_complete_raises_on_http_errors(live):
