@@ -227,6 +227,8 @@ class Completion:
     accepted: int
     seconds: float  # send -> the whole answer (the last SSE event)
     finish_reason: str | None
+    verify_steps: int = 0  # specserve's timings.num_verify_steps (llama-server has no count)
+    draft_ms: float = 0.0  # specserve's timings.draft_ms
 
 
 def completion_body(prompt: str, max_tokens: int, *, server: str, mode: str = "off",
@@ -279,15 +281,20 @@ async def complete(session: aiohttp.ClientSession, url: str, body: dict[str, Any
                     reason = choice.get("finish_reason") or reason
                 last = {"usage": obj.get("usage") or last.get("usage"),
                         "timings": obj.get("timings") or last.get("timings")}
-    seconds = time.perf_counter() - t0
-    usage, timings = last.get("usage"), last.get("timings") or {}
+    return completion_of("".join(parts), last.get("usage"), last.get("timings") or {},
+                         time.perf_counter() - t0, reason)
+
+
+def completion_of(text: str, usage: dict | None, timings: dict, seconds: float,
+                  reason: str | None) -> Completion:
+    """An answer's counts from its ``usage`` and ``timings``, in either server's names."""
     if not usage:
         raise RuntimeError("the answer carries no usage")
     return Completion(
-        "".join(parts), int(usage.get("prompt_tokens", 0)),
-        int(usage.get("completion_tokens", 0)),
+        text, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)),
         int(timings.get("num_drafted", timings.get("draft_n", 0))),
-        int(timings.get("num_accepted", timings.get("draft_n_accepted", 0))), seconds, reason)
+        int(timings.get("num_accepted", timings.get("draft_n_accepted", 0))), seconds, reason,
+        int(timings.get("num_verify_steps", 0)), float(timings.get("draft_ms", 0.0)))
 
 
 def one_line(text: str) -> str:

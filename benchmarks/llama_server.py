@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -48,6 +49,30 @@ TARGETS = ["llama-server", "llama-bench"]
 # llama-server's speculative types that need no second model, and the one that does.
 NGRAM_SPEC_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k")
 DRAFT_SPEC_TYPE = "draft-simple"
+# How llama-server's log says it will not draft with the -md model (a vocabulary it cannot
+# verify token for token): the most specific line first. 0.3.36 logs the first and keeps
+# serving without speculation; other versions exit with it.
+DRAFT_REFUSALS = ("failed to initialize speculative decoding", "vocab type must match",
+                  "vocabs are not compatible")
+_LOG_PREFIX = re.compile(r"^\s*[\d.:]+\s+[A-Z]\s+")  # "0.01.927.582 E " (time, level)
+
+
+class DraftRefused(BenchError):
+    """llama-server would not use the draft model it was given; ``line`` is its own words."""
+
+    def __init__(self, line: str, log_path: Path) -> None:
+        super().__init__(f"llama-server refused this draft: {line} (log: {log_path})")
+        self.line = line
+
+
+def draft_refusal(log: str) -> str | None:
+    """llama-server's line refusing its draft model, without the time and level, or None."""
+    lines = log.splitlines()
+    for marker in DRAFT_REFUSALS:
+        for line in lines:
+            if marker in line:
+                return " ".join(_LOG_PREFIX.sub("", line).split())
+    return None
 
 
 @dataclass(frozen=True)
@@ -151,7 +176,9 @@ def _run(cmd: list[str], what: str) -> None:
 class LlamaServer:
     """``llama-server`` on a free port (or ``port``), ready once ``/health`` says 200, stopped
     with SIGTERM. ``slots`` is ``-np``: how many streams it decodes together. ``ctx_per_slot``
-    tokens of context each (llama-server splits ``-c`` over its slots)."""
+    tokens of context each (llama-server splits ``-c`` over its slots). A ``draft_model`` it
+    refuses (its log says so, whether it exits or serves on without drafting) raises
+    ``DraftRefused``: what it would measure is not the draft it was asked to run."""
 
     def __init__(self, model: str, threads: int, slots: int = 1, *,
                  spec_type: str | None = None, draft_model: str | None = None,
@@ -173,7 +200,7 @@ class LlamaServer:
             self.command += ["--spec-type", spec_type]
         if draft_model:
             self.command += ["-md", draft_model]
-        self.spec_type, self.slots = spec_type, slots
+        self.spec_type, self.slots, self.draft_model = spec_type, slots, draft_model
         self.log_path = log_path or Path(tempfile.gettempdir()) / f"llama-server-{self.port}.log"
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
@@ -185,15 +212,28 @@ class LlamaServer:
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._check_draft()
                 tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:]
                 raise BenchError(f"llama-server exited with code {self.proc.returncode}: "
                                  f"{tail[0] if tail else ''} (log: {self.log_path})")
             if health_ok(self.url):
+                try:
+                    self._check_draft()  # the log is complete: it loads before it listens
+                except DraftRefused:
+                    self.__exit__()
+                    raise
                 return self
             time.sleep(0.25)
         self.__exit__()
         raise BenchError(f"llama-server was not ready after {self.timeout:.0f} s "
                          f"(log: {self.log_path})")
+
+    def _check_draft(self) -> None:
+        if self.draft_model is None:
+            return
+        line = draft_refusal(self.log_path.read_text(errors="replace"))
+        if line is not None:
+            raise DraftRefused(line, self.log_path)
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -2,22 +2,28 @@
 prompts and stop rules, interleaved prompt by prompt. Writes the "## vs llama.cpp" section of
 benchmarks/RESULTS.md.
 
-    python benchmarks/vs_llamacpp.py [--model PATH.gguf] [--threads 2] [--new-tokens 128]
-        [--repeats 2] [--workloads chat,rewrite,code] [--prompts-per-workload 4] [--streams 8]
-        [--modes off,ngram,suffix,default,draft] [--spec-types ngram-mod,ngram-simple,ngram-map-k]
-        [--llama-draft PATH.gguf] [--no-write]
+    python benchmarks/vs_llamacpp.py [--model PATH.gguf] [--draft-model PATH] [--threads 2]
+        [--new-tokens 128] [--repeats 2] [--workloads chat,rewrite,code]
+        [--prompts-per-workload 4] [--streams 8] [--modes off,ngram,suffix,default,draft,text_draft]
+        [--spec-types ngram-mod,ngram-simple,ngram-map-k] [--llama-draft PATH.gguf] [--no-write]
 
 Needs llama.cpp's server, built once: `make llama-server` (benchmarks/llama_server.py).
 
-Ours: one `specserve serve --num-threads T --no-enable-prefix-caching`; each request names its
-mode (``speculative.method``; "default" sends none, so the server's default, ``auto``, runs).
-llama.cpp: one `llama-server -np 1` per kind: plain (no --spec-type) and each --spec-types
-entry (draft-simple too when --llama-draft names a draft GGUF with the target's vocabulary; our
-shipped draft has no GGUF form). Each prompt goes, in one loop, to every mode of ours and every
-llama-server. The same chat-templated prompt text goes to both ``/v1/completions`` (greedy).
-Two stop rules: "EOS" (both stop at EOS, at most N tokens) and "fixed N" (EOS ignored on both
-sides: ``ignore_eos``, and ``n_predict`` for llama-server). Neither side reuses an earlier
-request's KV: our prefix cache is off, llama-server gets ``cache_prompt: false``.
+Ours: one `specserve serve --num-threads T --no-enable-prefix-caching [--draft-model PATH]`;
+each request names its mode (``speculative.method``; "default" sends none, so the server's
+default, ``auto``, runs, with the draft model among its candidates when one is loaded). A mode
+that needs a draft model (draft: the target's tokenizer; text_draft: another one) is asked once
+before the run; one the server refuses (400: no such draft loaded) is left out, and the section
+says why. llama.cpp: one `llama-server -np 1` per kind: plain (no --spec-type) and each
+--spec-types entry, and draft-simple when --llama-draft names a draft GGUF. llama-server drafts
+only with a draft of the target's vocabulary: it is started once with that draft first, and a
+refusal in its log ("draft model vocab type must match target model", which 0.3.36 logs before
+serving on without speculation) is quoted in the section and draft-simple left out, so "best
+llama.cpp" is the best kind it can run. Each prompt goes, in one loop, to every mode of ours and
+every llama-server. The same chat-templated prompt text goes to both ``/v1/completions``
+(greedy). Two stop rules: "EOS" (both stop at EOS, at most N tokens) and "fixed N" (EOS ignored
+on both sides: ``ignore_eos``, and ``n_predict`` for llama-server). Neither side reuses an
+earlier request's KV: our prefix cache is off, llama-server gets ``cache_prompt: false``.
 
 What speculation learns across requests starts empty in every (repeat, stop rule) block: ours
 gives each (mode, repeat, stop rule) its own API key, hence its own suffix-cache tenant (never
@@ -26,11 +32,16 @@ block. Within a block both may learn from the workload's earlier prompts.
 
 tok/s = generated tokens / client wall seconds (prefill and HTTP included), over a workload's
 prompts; ratios are medians of per-repeat ratios (min..max). "best llama.cpp" is, per workload
-and stop rule, the llama-server kind with the highest median tok/s (chosen after the run, so
-in llama.cpp's favour). Streams: N concurrent fixed-N requests, ours (off, default) against
-`llama-server -np N` plain. Plain is asserted: ours "off" answers carry num_drafted 0, plain
-llama-server answers no draft_n. Our speculative answers must equal our plain answers text for
-text (greedy); a difference fails the run (exit 1); llama.cpp's differences are only reported.
+and stop rule, the llama-server kind with the highest median tok/s (chosen after the run, so in
+llama.cpp's favour); "best other mode of ours" likewise, against our default. Drafting, per
+workload and speculative kind, from the answers' ``timings``: drafted and accepted tokens (both
+servers), and on ours verify steps, tokens per verify ((accepted + steps) / steps) and the
+draft's milliseconds per verify step; acceptance per draft position is not in either server's
+timings (benchmarks/text_draft.py measures it in process). Streams: N concurrent fixed-N
+requests, ours (off, default) against `llama-server -np N` plain. Plain is asserted: ours "off"
+answers carry num_drafted 0, plain llama-server answers no draft_n. Our speculative answers must
+equal our plain answers text for text (greedy); a difference fails the run (exit 1); llama.cpp's
+differences are only reported.
 """
 
 from __future__ import annotations
@@ -38,11 +49,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -50,63 +59,40 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from benchmarks.client import Completion, complete, completion_body  # noqa: E402
+from benchmarks.client import Completion, complete, completion_body, one_line  # noqa: E402
 from benchmarks.launched_server import LaunchedServer  # noqa: E402
 from benchmarks.llama_server import (  # noqa: E402
     DRAFT_SPEC_TYPE,
     NGRAM_SPEC_TYPES,
+    DraftRefused,
     LlamaCpp,
     LlamaServer,
 )
 from benchmarks.report import (  # noqa: E402
     BenchError,
-    fmt,
     load_workload,
     lscpu_summary,
-    md_table,
     out_dir,
     parse_list,
     publish,
     results_section,
     run_info,
 )
-from benchmarks.stats import ratio_cell  # noqa: E402
+from benchmarks.vs_llamacpp_tables import (  # noqa: E402
+    DEFAULT,
+    PLAIN,
+    STOPS,
+    Answer,
+    Runs,
+    System,
+    drafting_table,
+    greedy_checks,
+    single_table,
+    streams_table,
+)
 
 HEADING = "## vs llama.cpp"
-STOPS = {"EOS": False, "fixed N": True}  # stop rule -> ignore_eos
-PLAIN = "plain"  # llama-server without --spec-type
-DEFAULT = "default"  # our request without a speculative field
-
-
-@dataclass(frozen=True)
-class System:
-    """Where one kind of request goes: ours in a mode, or one llama-server."""
-
-    name: str  # "ours off", "ours default", "llama plain", "llama ngram-mod", ...
-    ours: bool
-    mode: str  # our speculative method, or the llama-server kind
-
-
-@dataclass
-class Answer:
-    tokens: int
-    seconds: float
-    text: str
-    drafted: int
-    accepted: int
-
-
-# (system, workload, stop rule) -> per repeat, per prompt
-Runs = dict[tuple[str, str, str], list[list[Answer]]]
-
-
-def tok_s(answers: list[Answer]) -> float:
-    return sum(a.tokens for a in answers) / sum(a.seconds for a in answers)
-
-
-def ratio_of(num: list[float], den: list[float]) -> str:
-    """num[i] / den[i] (measured side by side in repeat i) as a table cell."""
-    return ratio_cell([a / b for a, b in zip(num, den)])
+MODEL_MODES = ("draft", "text_draft", "eagle")  # our methods that need a --draft-model kind
 
 
 class Ours:
@@ -119,6 +105,7 @@ class Ours:
         self.keys.update({(m, -1, "warm-up"): f"bench-{m}-warm-up" for m in args.modes})
         flags = ["--num-threads", str(args.threads), "--no-enable-prefix-caching",
                  *(["--model", args.model] if args.model else []),
+                 *(["--draft-model", args.draft_model] if args.draft_model else []),
                  *(f for k in self.keys.values() for f in ("--api-key", k))]
         self.server = LaunchedServer(flags, folder / "serve.log", args.startup_timeout)
 
@@ -144,7 +131,8 @@ def check(system: System, done: Completion, max_tokens: int, ignore_eos: bool) -
                          f"(ignore_eos {ignore_eos})")
     if done.drafted and system.mode in ("off", PLAIN):
         raise BenchError(f"{system.name} drafted {done.drafted} tokens: not plain decoding")
-    return Answer(done.output_tokens, done.seconds, done.text, done.drafted, done.accepted)
+    return Answer(done.output_tokens, done.seconds, done.text, done.drafted, done.accepted,
+                  done.verify_steps, done.draft_ms)
 
 
 def llama_servers(stack: ExitStack, args, model: str, kinds: list[str], slots: int,
@@ -218,65 +206,6 @@ async def streams(session, args, ours: Ours, prompts: dict[str, list[str]], mode
     return out
 
 
-def single_table(runs: Runs, systems: list[System], workloads: list[str]) -> list[str]:
-    ours = [s for s in systems if s.ours]
-    llama = [s for s in systems if not s.ours]
-    headers = ["workload", "stop", "ours off / llama.cpp plain",
-               "ours default / llama.cpp plain", "ours default / best llama.cpp",
-               "best llama.cpp", *(f"{s.name} tok/s" for s in llama),
-               *(f"{s.name} tok/s" for s in ours)]
-    rows = []
-    for wl in workloads:
-        for stop in STOPS:
-            per = {s.name: [tok_s(r) for r in runs[(s.name, wl, stop)]] for s in systems}
-            best = max(llama, key=lambda s: statistics.median(per[s.name])).name
-            plain = per[f"llama {PLAIN}"]
-            default = per.get(f"ours {DEFAULT}")
-            rows.append([
-                wl, stop, ratio_of(per["ours off"], plain) if "ours off" in per else "-",
-                ratio_of(default, plain) if default else "-",
-                ratio_of(default, per[best]) if default else "-", best,
-                *(fmt(statistics.median(per[s.name])) for s in llama),
-                *(fmt(statistics.median(per[s.name])) for s in ours)])
-    return md_table(headers, rows)
-
-
-def streams_table(agg: dict[tuple[str, str], list[float]], workloads: list[str],
-                  width: int) -> list[str]:
-    llama = f"llama {PLAIN} -np {width}"
-    names = [n for n in ("ours off", f"ours {DEFAULT}") if (n, workloads[0]) in agg]
-    headers = ["workload", *(f"{n} / {llama}" for n in names), f"{llama} tok/s",
-               *(f"{n} tok/s" for n in names)]
-    rows = [[wl, *(ratio_of(agg[(n, wl)], agg[(llama, wl)]) for n in names),
-             fmt(statistics.median(agg[(llama, wl)])),
-             *(fmt(statistics.median(agg[(n, wl)])) for n in names)] for wl in workloads]
-    return md_table(headers, rows)
-
-
-def greedy_checks(runs: Runs, systems: list[System], workloads: list[str]
-                  ) -> tuple[list[str], list[str]]:
-    """(failures, notes): every answer of ours equals our plain answer to the same prompt."""
-    failures, counts, differ, total = [], [], 0, 0
-    for s in systems:
-        if not s.ours or s.mode == "off":
-            continue
-        for stop in STOPS:
-            bad = sum(a.text != b.text for wl in workloads
-                      for rep in runs[(s.name, wl, stop)]
-                      for a, b in zip(rep, runs[("ours off", wl, stop)][0]))
-            counts.append(f"{s.mode} ({stop}) {bad}")
-            if bad:
-                failures.append(f"{s.name} ({stop}): {bad} answer(s) differ from plain")
-    for wl in workloads:
-        for a, b in zip(runs[(f"llama {PLAIN}", wl, "EOS")][0], runs[("ours off", wl, "EOS")][0]):
-            total += 1
-            differ += a.text != b.text
-    return failures, [
-        f"Our answers differing from our plain answers: {', '.join(counts) or 'none run'}.",
-        f"EOS-stopped answers whose text differs between llama.cpp plain and ours: "
-        f"{differ}/{total} (llama.cpp rounds activations its own way)."]
-
-
 def llama_bench(llama: LlamaCpp, model: str, threads: int, n: int) -> str:
     """llama-bench tg<n> (llama.cpp's decode without a server), for reference."""
     done = subprocess.run([str(llama.bench), "-m", model, "-t", str(threads), "-p", "0",
@@ -298,12 +227,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--workloads", default="chat,rewrite,code")
     ap.add_argument("--prompts-per-workload", type=int, default=4)
     ap.add_argument("--streams", type=int, default=8, help="concurrent width; 0 skips it")
-    ap.add_argument("--modes", default=f"off,ngram,suffix,{DEFAULT},draft",
-                    help="our speculative methods (default: none sent, the server's own)")
+    ap.add_argument("--draft-model", default=None,
+                    help="passed to our server's --draft-model (a path, or `default` for the "
+                         "built-in SmolLM2-135M): another tokenizer than the target's runs as "
+                         "text_draft [default: the server's own]")
+    ap.add_argument("--modes", default=f"off,ngram,suffix,{DEFAULT},draft,text_draft",
+                    help="our speculative methods (default: none sent, the server's own); one "
+                         "needing a draft the server has not loaded is left out")
     ap.add_argument("--spec-types", default=",".join(NGRAM_SPEC_TYPES),
                     help="llama-server --spec-type values run beside its plain decoding")
     ap.add_argument("--llama-draft", default=None,
-                    help="a draft .gguf with the target's vocabulary: adds draft-simple")
+                    help="a draft .gguf for llama-server's draft-simple (left out, with "
+                         "llama-server's refusal quoted, when its vocabulary differs)")
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
@@ -334,26 +269,43 @@ def main(argv: list[str] | None = None) -> int:
                     for t in load_workload(wl)[: args.prompts_per_workload]]
                for wl in args.workloads}
     folder = out_dir(None, "vs_llamacpp")
-    systems = [*(System(f"ours {m}", True, m) for m in args.modes),
-               System(f"llama {PLAIN}", False, PLAIN),
-               *(System(f"llama {t}", False, t) for t in args.spec_types)]
+    refusal = (llama_draft_refusal(args, model, folder)
+               if DRAFT_SPEC_TYPE in args.spec_types else None)
+    spec_types = [t for t in args.spec_types if not (t == DRAFT_SPEC_TYPE and refusal)]
     reference = llama_bench(llama, model, args.threads, args.new_tokens)
     ours = Ours(args, folder)
     with ours.server:
-        if "draft" in args.modes and not _has_draft(ours, prompts):
-            systems = [s for s in systems if s.mode != "draft"]
+        missing = asyncio.run(_refused_modes(ours, [m for m in args.modes if m in MODEL_MODES],
+                                             next(iter(prompts.values()))[0]))
+        systems = [*(System(f"ours {m}", True, m) for m in args.modes if m not in missing),
+                   System(f"llama {PLAIN}", False, PLAIN),
+                   *(System(f"llama {t}", False, t) for t in spec_types)]
         runs, agg = asyncio.run(_measure(args, ours, prompts, systems, model, folder))
     failures, notes = greedy_checks(runs, systems, args.workloads)
-    body = ["Single stream:", "", *single_table(runs, systems, args.workloads)]
+    body = [*left_out(refusal, missing, spec_types), "Single stream:", "",
+            *single_table(runs, systems, args.workloads), "",
+            "Drafting, per workload over both stop rules and every repeat (from the answers' "
+            "timings; tokens per verify = (accepted + verify steps) / verify steps, over the "
+            "steps that verified drafts). Acceptance per draft position is not in the "
+            "timings (they count drafted, accepted and verify steps per request): "
+            "`python benchmarks/text_draft.py` measures it in process.", "",
+            *drafting_table(runs, systems, args.workloads)]
     if agg:
         body += ["", f"{args.streams} concurrent streams (fixed N):", "",
                  *streams_table(agg, args.workloads, args.streams)]
     body += ["", f"llama-bench tg{args.new_tokens} (llama.cpp without a server, same file and "
              f"threads): {reference}.", "", *notes]
-    draft = ("draft-simple with `" + Path(args.llama_draft).name + "`" if args.llama_draft else
-             "no draft-simple (no same-vocabulary draft GGUF given)")
-    # each model its own section (a rerun on one model keeps the other's in place)
+    if not args.llama_draft:
+        draft = "no draft-simple (no draft GGUF given)"
+    else:
+        draft = (f"draft-simple with `{Path(args.llama_draft).name}`"
+                 f"{' refused by llama-server (below)' if refusal else ''}")
+    if args.draft_model:
+        draft += f"; ours with `--draft-model {Path(args.draft_model).name}`"
+    # each (model, draft) its own section (a rerun on one keeps the others' in place)
     heading = HEADING if args.model is None else f"{HEADING}, {Path(model).name}"
+    if args.draft_model:
+        heading += f", draft {Path(args.draft_model).name}"
     section = results_section(
         heading, run_info(argv, program="python benchmarks/vs_llamacpp.py"),
         f"Model `{Path(model).name}` on both sides, {args.threads} threads each, greedy, the "
@@ -371,18 +323,50 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-def _has_draft(ours: Ours, prompts: dict[str, list[str]]) -> bool:
-    """Whether our server runs a draft model (a draft request gets 200, else 400)."""
+def llama_draft_refusal(args, model: str, folder: Path) -> str | None:
+    """llama-server's own line refusing ``--llama-draft`` for ``model``, or None when it
+    starts drafting with it (one start, before anything is timed)."""
+    try:
+        with LlamaServer(model, args.threads, 1, spec_type=DRAFT_SPEC_TYPE,
+                         draft_model=args.llama_draft, log_path=folder / "llama-draft-probe.log"):
+            return None
+    except DraftRefused as exc:
+        print(exc, flush=True)
+        return exc.line
 
-    async def probe() -> bool:
-        body = ours.body(next(iter(prompts.values()))[0], "draft", 1, False)
-        async with aiohttp.ClientSession() as session, session.post(
-                ours.server.url + "/v1/completions", json=body,
-                headers=ours.headers("draft", -1, "warm-up")) as resp:
-            await resp.read()
-            return resp.status == 200
 
-    return asyncio.run(probe())
+def left_out(refusal: str | None, missing: dict[str, str], spec_types: list[str]) -> list[str]:
+    """The section's lines on what did not run, and why, in each server's own words."""
+    lines = []
+    if refusal:
+        kinds = ", ".join([PLAIN, *spec_types])
+        lines.append(f"llama-server refused this draft: \"{refusal}\"; best llama.cpp is "
+                     f"the best of the kinds it can run ({kinds}).")
+    lines += [f"Ours {mode} not run: the server answered {why}." for mode, why in
+              missing.items()]
+    return [*lines, ""] if lines else []
+
+
+async def _refused_modes(ours: Ours, modes: list[str], prompt: str) -> dict[str, str]:
+    """mode -> our server's refusal, for each mode that needs a draft it has not loaded (a
+    one-token request gets 200 where it runs, 400 where it does not)."""
+    missing = {}
+    async with aiohttp.ClientSession() as session:
+        for mode in modes:
+            async with session.post(ours.server.url + "/v1/completions",
+                                    json=ours.body(prompt, mode, 1, False),
+                                    headers=ours.headers(mode, -1, "warm-up")) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    missing[mode] = f"HTTP {resp.status}: {_error_message(text)}"
+    return missing
+
+
+def _error_message(body: str) -> str:
+    try:
+        return one_line(str(json.loads(body)["error"]["message"]))
+    except (ValueError, KeyError, TypeError):
+        return one_line(body)
 
 
 async def _measure(args, ours: Ours, prompts, systems, model, folder):
