@@ -158,7 +158,7 @@ def test_a_choice_made_while_others_took_the_cores_is_not_cached(tmp_path, resto
     for others, cached in ((0.9, False), (0.1, True)):
         shots = iter([thread_choice.CpuSnapshot(0.0, 100.0, 10.0),
                       thread_choice.CpuSnapshot(2.0, 100.0 + 2 * (others + 1.5), 13.0)])
-        monkeypatch.setattr(thread_choice, "cpu_snapshot", lambda: next(shots))
+        monkeypatch.setattr(thread_choice, "cpu_snapshot", lambda shots=shots: next(shots))
         choice = thread_choice.choose(fake.step, path, SETUPS, clock=fake.clock,
                                       disturb=fake.disturb)
         assert choice.setup == SETUPS[0] and ThreadSetup.current() == SETUPS[0]
