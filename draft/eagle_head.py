@@ -41,6 +41,7 @@ from specserve.kernels.rotary import RotaryEmbedding
 from specserve.target.config import ModelConfig
 from specserve.target.layout import BatchLayout
 from specserve.target.model import DecoderLayer, KVCache, RMSNorm
+from specserve.target.model_runner import zeroed_pool
 
 EAGLE_KEY = "specserve_eagle"
 HEAD_IDS = "head_token_ids"
@@ -229,8 +230,8 @@ class EagleRunner:
         """[2, num_blocks, block_size, KVH, D], zeroed when first read."""
         if self._kv is None:
             mc = self.head.config
-            self._kv = torch.zeros((2, self.num_blocks, self.block_size, mc.num_kv_heads,
-                                    mc.head_dim), dtype=self.dtype, device=self.device)
+            self._kv = zeroed_pool((2, self.num_blocks, self.block_size, mc.num_kv_heads,
+                                    mc.head_dim), self.dtype, torch.device(self.device))
         return self._kv
 
     @staticmethod

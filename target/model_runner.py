@@ -7,6 +7,9 @@ sequence addresses the whole model (and, with the same ids, the draft model's ow
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from specserve.kernels.metadata import AttentionMetadata
@@ -15,6 +18,18 @@ from specserve.target.config import ModelConfig
 from specserve.target.layout import BatchLayout
 from specserve.target.model import CausalLM, FeatureCapture, KVCache
 
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose pages a CPU process commits only as they are written: numpy's zeros
+    is calloc, which takes a large block as fresh zero pages from the OS instead of writing
+    them (torch.zeros writes every byte). A KV pool sized for the worst case then costs resident
+    memory for the blocks requests have used, not for all of it; the values are zeros either
+    way."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(math.prod(shape) * element, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 class ModelRunner:
     """Runs ``model`` over paged KV caches of ``num_blocks`` blocks of ``block_size`` tokens.
@@ -63,11 +78,8 @@ class ModelRunner:
 
     def _allocate_kv(self) -> None:
         mc = self.model_config
-        self._kv = torch.zeros(
-            (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
-            dtype=self.kv_dtype,
-            device=self.device,
-        )
+        shape = (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self._kv = zeroed_pool(shape, self.kv_dtype, self.device)
         self._kv_views = [(self._kv[i, 0], self._kv[i, 1]) for i in range(mc.num_layers)]
 
     @property
