@@ -11,6 +11,10 @@ forms give the same bits (tests/test_quant.py): only the time differs, which is 
 tuner picks among them on each machine. One row reads every weight byte once, so its time
 against the machine's memory bandwidth (torch's own sum over 256 MB, also printed) tells how
 far a kernel can still move a plain decode step.
+
+Where layers run a small-range code class (kernels/quant.py::code_class: Q5_0, Q5_1 and the
+K-quants), the AVX2 form also runs with every layer taken as class 0 (signed codes, the form
+before the classes), in the same interleaved rounds.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from benchmarks.report import (  # noqa: E402
     run_info,
 )
 from specserve.kernels import quant_ext  # noqa: E402
-from specserve.kernels.quant import BlockQuantLinear  # noqa: E402
+from specserve.kernels.quant import BlockQuantLinear, code_class  # noqa: E402
+
+SIGN = "avx2 class 0"  # the AVX2 form with every layer's codes taken as signed (class 0)
 
 
 def load_projections(path: str) -> list[BlockQuantLinear]:
@@ -50,14 +56,22 @@ def load_projections(path: str) -> list[BlockQuantLinear]:
 
 
 def time_form(mods: list[BlockQuantLinear], xs: dict[int, torch.Tensor], code: int,
-              repeats: int) -> list[float]:
+              repeats: int, sign_form: bool = False) -> list[float]:
+    """Seconds per pass over ``mods`` with kernel ``code``; ``sign_form`` runs every layer as
+    code class 0 (the signed-code instructions) instead of its own class: the same bits."""
+    def call(m: BlockQuantLinear) -> None:
+        if sign_form:
+            m._ext.block_linear(xs[m.in_features], *m.planes, code)
+        else:
+            m.run(xs[m.in_features], code)
+
     for m in mods:  # warm-up
-        m.run(xs[m.in_features], code)
+        call(m)
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for m in mods:
-            m.run(xs[m.in_features], code)
+            call(m)
         samples.append(time.perf_counter() - t0)
     return samples
 
@@ -98,6 +112,11 @@ def main() -> int:
     headers = ["rows", *[f"{f} ms (rows per pass)" for f in forms]]
     if "avx2" in forms and len(forms) > 1:
         headers.append(f"avx2 / {forms[-1]}")
+    # Layers of a small-range code class (kernels/quant.py::code_class) also run as class 0,
+    # the form they ran before the classes: same bits, so only the time differs.
+    classed = any(code_class(m.qs) for m in mods)
+    if classed:
+        headers += ["avx2 as code class 0 ms (rows per pass)", "class 0 / own classes"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     with torch.inference_mode():
         for rows in rows_list:
@@ -105,27 +124,36 @@ def main() -> int:
             best: dict[str, tuple[float, int]] = {}
             samples: dict[tuple[str, int], list[float]] = {
                 (f, r): [] for f in forms for r in quant_ext.ROWS_PER_PASS[f]}
+            if classed:
+                samples.update({(SIGN, r): [] for r in quant_ext.ROWS_PER_PASS["avx2"]})
             for _ in range(2):  # two interleaved rounds: drift hits every form alike
                 for f, r in samples:
-                    samples[(f, r)] += time_form(mods, xs, quant_ext.kernel_code(f"{f}/{r}"),
-                                                 args.repeats)
+                    isa = "avx2" if f == SIGN else f
+                    samples[(f, r)] += time_form(mods, xs, quant_ext.kernel_code(f"{isa}/{r}"),
+                                                 args.repeats, sign_form=f == SIGN)
             for (f, r), s in samples.items():
                 ms = statistics.median(s) * 1e3
                 if f not in best or ms < best[f][0]:
                     best[f] = (ms, r)
             cells = [str(rows), *[f"{best[f][0]:.2f} ({best[f][1]})" for f in forms]]
-            if len(headers) > len(forms) + 1:
+            if "avx2" in forms and len(forms) > 1:
                 cells.append(f"{best['avx2'][0] / best[forms[-1]][0]:.2f}x")
+            if classed:
+                cells += [f"{best[SIGN][0]:.2f} ({best[SIGN][1]})",
+                          f"{best[SIGN][0] / best['avx2'][0]:.2f}x"]
             lines.append("| " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
     gb_s = bandwidth_gb_s(10)
-    heading = "## Block kernel forms by row count"
+    heading = "## Block kernel forms by row count" + (f", {Path(path).name}" if args.model else "")
     section = results_section(
         heading, run_info(sys.argv[1:], program="python benchmarks/probes/kernel_forms.py"),
         f"Model `{Path(path).name}`: {len(mods)} block-quantized projections, {weight_mb:.0f} MB "
         f"of codes and scales, all run once per pass on a [rows, K] input; median of "
         f"{args.repeats} x 2 interleaved passes; the best rows per pass of each form in "
-        f"parentheses. Every form gives the same bits. Memory bandwidth (torch sum over 256 MB): "
+        f"parentheses. Every form gives the same bits"
+        + (" (the code-class columns too: each layer in its own small-range class, or every "
+           "layer as class 0, the signed-code form)" if classed else "")
+        + ". Memory bandwidth (torch sum over 256 MB): "
         f"{gb_s:.1f} GB/s, so one pass over the weights costs at least "
         f"{weight_mb / gb_s:.2f} ms.",
         lines)
