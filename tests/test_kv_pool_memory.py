@@ -21,6 +21,7 @@ def test_pool_is_zeros_of_its_dtype_and_shape():
         pool = zeroed_pool((3, 2, 5, 16, 2, 8), dtype, torch.device("cpu"))
         assert pool.dtype == dtype and pool.shape == (3, 2, 5, 16, 2, 8)
         assert pool.is_contiguous() and not pool.any()
+        assert pool.data_ptr() % 64 == 0  # as torch's allocator aligns: the kernels' rows
         pool[1, 0, 2] = 1.5  # writable, and a write lands where a view says
         assert pool.sum().item() == 1.5 * 16 * 2 * 8
 
