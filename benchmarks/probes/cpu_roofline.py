@@ -184,7 +184,8 @@ def main() -> int:
                     row(f"attention, bfloat16 cache (form {bf16_form})", rows, str(ctx), ms,
                         dots / rates["dpbf16_512"] * 1e3, kv_bytes / 2 / gb_s / 1e6)
     peaks = ", ".join(f"{k} {v / 1e9:.2f} G/s" for k, v in rates.items())
-    heading = "## CPU roofline: kernels against this machine's instruction and memory limits"
+    heading = ("## CPU roofline: kernels against this machine's instruction and memory limits"
+               + (f", {Path(path).name}" if args.model else ""))
     section = results_section(
         heading, run_info(sys.argv[1:], program="python benchmarks/probes/cpu_roofline.py"),
         f"Model `{Path(path).name}`. Peak issue rates over {torch.get_num_threads()} threads "
