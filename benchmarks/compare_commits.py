@@ -60,6 +60,7 @@ from benchmarks.report import (  # noqa: E402
     md_table,
     out_dir,
     run_info,
+    stage_log,
     write_json,
     write_results_section,
 )
@@ -337,10 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    t_start = time.monotonic()
-
-    def log(text: str) -> None:
-        print(f"[compare {time.monotonic() - t_start:6.0f}s] {text}", flush=True)
+    log = stage_log("compare")
 
     trees: list[Tree] = []
     scratch: Path | None = None

@@ -107,6 +107,16 @@ def _commit() -> str:
     return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def stage_log(tag: str):
+    """A progress printer for a long benchmark: ``[tag  123s] text``, seconds since this call."""
+    t_start = time.monotonic()
+
+    def log(text: str) -> None:
+        print(f"[{tag} {time.monotonic() - t_start:6.0f}s] {text}", flush=True)
+
+    return log
+
+
 def load_workload(name: str) -> list[str]:
     """Prompts of benchmarks/prompts/<name>.json, or of a JSON file path: a list of strings."""
     path = Path(name) if name.endswith(".json") else ROOT / "prompts" / f"{name}.json"

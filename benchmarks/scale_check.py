@@ -59,6 +59,7 @@ from benchmarks.report import (  # noqa: E402
     publish,
     results_section,
     run_info,
+    stage_log,
     write_json,
 )
 from tools import checkout as tree_code  # noqa: E402
@@ -107,6 +108,17 @@ def builtin_model_path() -> Path:
     from specserve.engine.models import default_model_path
 
     return Path(default_model_path())
+
+
+def models_to_measure(names: list[str]) -> tuple[list[Model], list[str]]:
+    """resolve_models against the built-in model, each skipped file also said on stderr; an
+    error when nothing is left to measure."""
+    models, skipped = resolve_models(names, builtin_model_path())
+    for line in skipped:
+        print(f"skipping {line}", file=sys.stderr, flush=True)
+    if not models:
+        raise BenchError("no model file to measure")
+    return models, skipped
 
 
 def resolve_models(names: list[str], builtin: Path, qwen: Path = QWEN) -> tuple[list[Model],
@@ -280,10 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         print(json.dumps(child(json.loads(args.child))), flush=True)
         return 0
-    t_start = time.monotonic()
-
-    def log(text: str) -> None:
-        print(f"[scale {time.monotonic() - t_start:6.0f}s] {text}", flush=True)
+    log = stage_log("scale")
 
     trees: list[Tree] = []
     scratch: Path | None = None
@@ -293,12 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
         contexts = parse_list(args.contexts, int, "--contexts")
         check_sizes(batch_sizes, contexts, args.new_tokens, args.steps, args.rounds)
-        models, skipped = resolve_models(parse_list(args.models, str, "--models"),
-                                         builtin_model_path())
-        for line in skipped:
-            print(f"skipping {line}", file=sys.stderr, flush=True)
-        if not models:
-            raise BenchError("no model file to measure")
+        models, skipped = models_to_measure(parse_list(args.models, str, "--models"))
         out = out_dir(args.out, "scale")
         scratch = Path(tempfile.mkdtemp(prefix="specserve-scale-"))
         trees = [checkout("old", args.old, scratch),

@@ -50,9 +50,10 @@ from benchmarks.report import (  # noqa: E402
     publish,
     results_section,
     run_info,
+    stage_log,
     write_json,
 )
-from benchmarks.scale_check import Model, builtin_model_path, resolve_models  # noqa: E402
+from benchmarks.scale_check import Model, models_to_measure  # noqa: E402
 from benchmarks.soak import health  # noqa: E402
 
 HEADING = "## Server RSS after 100 requests, per GGUF file"
@@ -336,19 +337,11 @@ def check_args(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    t_start = time.monotonic()
-
-    def log(text: str) -> None:
-        print(f"[rss {time.monotonic() - t_start:6.0f}s] {text}", flush=True)
+    log = stage_log("rss")
 
     try:
         check_args(args)
-        models, skipped = resolve_models([m for m in args.models.split(",") if m],
-                                         builtin_model_path())
-        for line in skipped:
-            print(f"skipping {line}", file=sys.stderr, flush=True)
-        if not models:
-            raise BenchError("no model file to measure")
+        models, skipped = models_to_measure([m for m in args.models.split(",") if m])
         out = out_dir(args.out, "rss")
         info = run_info(argv, "python tools/checkout.py . benchmarks/server_rss.py")
         results = [measure_file(m, args, out, log) for m in models]
