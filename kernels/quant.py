@@ -252,7 +252,7 @@ def code_class(qs: torch.Tensor) -> int:
     outside every class's range), read off the codes themselves, so it holds by construction."""
     if qs.dtype != torch.int8 or qs.numel() == 0:
         return 0
-    lo, hi = int(qs.min()), int(qs.max())
+    lo, hi = (int(v) for v in torch.aminmax(qs))  # one pass over the codes
     return next((c for c, (a, b) in _CODE_CLASSES.items() if a <= lo and hi <= b), 0)
 _kernel_codes = functools.cache(quant_ext.kernel_code)
 
