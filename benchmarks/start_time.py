@@ -2,13 +2,15 @@
 process with the compiled kernels and tuning tables cached but the model's own caches cold (a
 first start of this file), then again (a second start).
 
-    python benchmarks/start_time.py --model FILE [--old REV] [--new REV] [--rounds 1] [--no-write]
+    python benchmarks/start_time.py --model FILE [--old REV] [--new REV] [--cold] [--no-write]
 
 Each commit runs in its own temporary worktree (benchmarks/compare_commits.py's) with its own
 ``SPECSERVE_CACHE_DIR``, seeded with a copy of this machine's ``ext/`` and ``tune/`` caches, so
-neither the C++ build nor kernel timing is in the figures. Reported per commit: wall seconds
-from process launch to the engine built (imports included), the engine's own build seconds, and
-RSS after the build. Writes a section of benchmarks/RESULTS.md.
+neither the C++ build nor kernel timing is in the figures. ``--cold`` adds a start before those
+with an empty cache: the C++ build, kernel tuning, the thread choice and the model all cold
+(what a first start costs where nothing ran before and nothing was built at install). Reported
+per commit: wall seconds from process launch to the engine built (imports included), the
+engine's own build seconds, and RSS after the build. Writes a section of benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--old", default="HEAD~1")
     ap.add_argument("--new", default=None, help="a commit [default: this working tree]")
+    ap.add_argument("--cold", action="store_true",
+                    help="also a start with an empty cache (C++ build and tuning cold)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     from specserve.core.paths import cache_root
@@ -77,14 +81,19 @@ def main() -> int:
         for label, rev in (("old", args.old), ("new", args.new)):
             tree = working_tree() if rev is None else checkout(label, rev, work)
             trees.append(tree)
+            cold = None
+            if args.cold:
+                (work / f"cold-{label}").mkdir()
+                cold = _start(tree, args.model, work / f"cold-{label}")
             cache = work / f"cache-{label}"
             cache.mkdir()
             for part in ("ext", "tune"):
                 if (seed / part).is_dir():
                     shutil.copytree(seed / part, cache / part)
             first, second = _start(tree, args.model, cache), _start(tree, args.model, cache)
-            rows.append((label, tree.describe, first, second))
-            print(label, tree.describe, json.dumps({"first": first, "second": second}), flush=True)
+            rows.append((label, tree.describe, cold, first, second))
+            print(label, tree.describe, json.dumps({"cold": cold, "first": first,
+                                                    "second": second}), flush=True)
     finally:
         for tree in trees:
             remove(tree)
@@ -93,10 +102,19 @@ def main() -> int:
              f"to the engine built (imports included; the engine's own build in brackets), with "
              f"the C++ build and kernel tuning cached, the model's caches cold (first start) then "
              f"warm (second). `draft_model=none`, 2 threads. lscpu: {lscpu_summary()}.")
-    body = md_table(["commit", "first start s", "second start s", "RSS MB first / second"], [
-        [f"{label} {describe}", f"{a['wall_s']:.1f} ({a['build_s']:.1f})",
-         f"{b['wall_s']:.1f} ({b['build_s']:.1f})", f"{a['rss_mb']:.0f} / {b['rss_mb']:.0f}"]
-        for label, describe, a, b in rows])
+    if args.cold:
+        intro += (" The cold start ran first, with an empty cache: the C++ build, kernel "
+                  "tuning and the thread choice in it too.")
+
+    def cell(r: dict) -> str:
+        return f"{r['wall_s']:.1f} ({r['build_s']:.1f})"
+
+    head = ["commit", *(["cold start s"] if args.cold else []), "first start s",
+            "second start s", "RSS MB first / second"]
+    body = md_table(head, [
+        [f"{label} {describe}", *([cell(c)] if args.cold else []), cell(a), cell(b),
+         f"{a['rss_mb']:.0f} / {b['rss_mb']:.0f}"]
+        for label, describe, c, a, b in rows])
     print("\n".join([intro, *body]))
     if not args.no_write:
         write_results_section("## Start time of a GGUF file, two commits", info, intro, body)

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -33,10 +34,18 @@ def build_key() -> str:
     ).hexdigest()[:16]
 
 
-@functools.cache
+_LOAD_LOCK = threading.Lock()  # one build at a time (kernels/prebuild.py starts one early)
+
+
 def load() -> ModuleType:
     """The compiled module (``.SuffixTrie``); builds it on the first call on this machine.
     Raises with the reason when it cannot be had here."""
+    with _LOAD_LOCK:
+        return _load()
+
+
+@functools.cache
+def _load() -> ModuleType:
     from specserve.core.paths import cache_root
     from specserve.kernels.cpp_build import load_extension
 

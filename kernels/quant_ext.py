@@ -17,6 +17,7 @@ import hashlib
 import logging
 import platform
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -60,10 +61,25 @@ def build_key() -> str:
     ).hexdigest()[:16]
 
 
-@functools.cache
+# One build at a time in this process: an engine starts the build in a thread while its model
+# loads (kernels/prebuild.py), and the first layer that needs the kernels waits for it here.
+_LOAD_LOCK = threading.Lock()
+
+
 def load() -> ModuleType:
     """The compiled extension; builds it on the first call on this machine. Raises
     ``RuntimeError`` with the reason when it cannot be had here."""
+    with _LOAD_LOCK:
+        return _load()
+
+
+def loaded() -> bool:
+    """True once the extension is loaded in this process (nothing is built or imported)."""
+    return _load.cache_info().currsize > 0
+
+
+@functools.cache
+def _load() -> ModuleType:
     if not cpu_supported():
         raise RuntimeError("the block-quantized CPU kernels need an x86-64 CPU with AVX2 and FMA")
     key = build_key()

@@ -109,7 +109,7 @@ def current() -> ThreadPolicy:
 def in_force() -> ThreadPolicy:
     """``current()`` without loading the extension: before it has loaded, the policy it will
     load with (the environment's, else the default)."""
-    if quant_ext.load.cache_info().currsize:
+    if quant_ext.loaded():
         return current()
     try:
         return from_env() or DEFAULT

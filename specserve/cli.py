@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_distill_parser(sub)
+    sub.add_parser("build", help="compile the C++ kernels and the suffix trie for this machine "
+                                 "now (otherwise the first start does); `make install` runs it")
     return parser
 
 
@@ -253,6 +255,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path}).returncode
 
 
+def cmd_build(args: argparse.Namespace) -> int:
+    """Both extensions compiled side by side; exit 1 (with the reason logged) if one cannot be
+    built here, as the engine then falls back to torch kernels or the Python trie."""
+    from specserve.kernels.prebuild import build_all
+
+    t0 = time.perf_counter()
+    usable = build_all()
+    for name, ok in usable.items():
+        print(f"{name}: {'ready' if ok else 'unavailable (see the warning above)'}")
+    print(f"built in {time.perf_counter() - t0:.1f}s")
+    return 0 if all(usable.values()) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -267,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "build":
+            return cmd_build(args)
         if args.command == "distill":
             return cmd_distill(args)
     except (SpecServeError, msgspec.ValidationError) as exc:

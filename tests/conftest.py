@@ -86,5 +86,5 @@ def _torch_threads():
     yield
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
-    if quant_ext.load.cache_info().currsize and thread_policy.current() != policy:
+    if quant_ext.loaded() and thread_policy.current() != policy:
         thread_policy.apply(policy)

@@ -30,9 +30,10 @@ from specserve.draft.registry import REGISTRY, ProposerRegistry
 from specserve.engine.assembly import build_parts
 from specserve.engine.output_processor import RequestState
 from specserve.engine.outputs import OutputMerger, RequestOutput
-from specserve.engine.resolve import ModelFiles, resolve_config
+from specserve.engine.resolve import ModelFiles, resolve_config, resolve_device
 from specserve.engine.tokenizer import IncrementalDetokenizer, apply_chat_template
 from specserve.engine.tracing import NullTracer, Tracer
+from specserve.kernels.prebuild import start_builds
 from specserve.spec.grammar import GrammarState
 from specserve.spec.grammar_compiler import GrammarCompiler
 from specserve.spec.speculator import Drafts, Verified
@@ -54,6 +55,8 @@ class _StepClock:
 class LLMEngine:
     def __init__(self, config: EngineConfig, registry: ProposerRegistry = REGISTRY) -> None:
         """``registry``: the proposers it may build (a new method is one more entry)."""
+        if resolve_device(config.device).type == "cpu":
+            start_builds()  # a first start's C++ builds run while the model files are read
         files = ModelFiles.open(config)
         self.config = resolve_config(config, files, registry)
         self.tracer: Tracer | NullTracer = NullTracer()  # a Tracer records phase spans

@@ -59,13 +59,13 @@ def choose_threads(config: ResolvedConfig, runner: ModelRunner, *,
         # earlier engine in this process) gets it, or a team that follows --num-threads, here.
         if policy is None:
             policy = dataclasses.replace(thread_policy.in_force(), threads=0)
-        if quant_ext.load.cache_info().currsize:
+        if quant_ext.loaded():
             thread_policy.apply(policy)
         return ThreadChoice(ThreadSetup.current(), f"fixed by {config.threads_fixed_by}")
     fixed = ""
     if team:  # the team follows --num-threads until a measured placement says otherwise
         fixed = f"team fixed by --num-threads {team}, "
-        if quant_ext.load.cache_info().currsize:
+        if quant_ext.loaded():
             thread_policy.apply(dataclasses.replace(thread_policy.in_force(), threads=0))
     if not config.kernel_tuning:
         return ThreadChoice(ThreadSetup.current(), f"{fixed}defaults (--no-kernel-tuning)")
