@@ -3,7 +3,8 @@ the engine will run, keeps the fastest, and caches the table per machine.
 
 Groups: the model's projections grouped by (kind, format or dtype, N, K); the 30 qkv projections
 of a 30-layer model are one group. Each candidate is timed over up to ``modules_per_group``
-modules of its group in turn, candidates interleaved, the median of ``repeats`` kept. Every
+modules of its group in turn, candidates interleaved, the median of ``repeats`` kept (two
+for a shape whose passes take seconds: ``time_candidates``). Every
 timed pass meets the weights where a forward does: in memory when the model's weights exceed
 the last-level cache (a read of twice that cache evicts them first), else cached.
 
@@ -72,6 +73,9 @@ log = logging.getLogger(__name__)
 DEFAULT_BUDGET_S = 60.0  # seconds of timing per tuner; the module docstring says why
 # What a shape runs untuned, by kind: every CPU the kernels run on has AVX2.
 DEFAULT_CHOICE = {"block": "avx2/4", "dense": "linear"}
+# Rounds of a shape whose timed passes already took LONG_SHAPE_S (time_candidates says why).
+MIN_REPEATS = 2
+LONG_SHAPE_S = 1.0
 
 
 def cpu_model() -> str:
@@ -190,16 +194,25 @@ def _candidates(module: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], ob
 def time_candidates(
     runs: list[dict[str, Callable[[], object]]], repeats: int,
     evict: Callable[[], object] | None = None, clock: Callable[[], float] = time.perf_counter,
+    long_s: float = LONG_SHAPE_S,
 ) -> dict[str, float]:
     """Median seconds of one pass over ``runs`` (one dict of candidates per module), per
     candidate; candidates interleaved so drift on a shared machine hits them alike. ``evict``
-    (untimed) runs before every pass: the weights then come from memory, as in a forward."""
+    (untimed) runs before every pass: the weights then come from memory, as in a forward.
+    Up to ``repeats`` rounds, but no more than ``MIN_REPEATS`` once the timed passes have
+    taken ``long_s`` seconds: a pass that long is timed to well under a percent by the clock
+    and what noise it has is the machine's, which more rounds of the same length do not
+    remove. On the 0.5B file (2-core Zen 3) the shapes from 48 rows up took 31 s of a first
+    start's 48 s of tuning, five rounds each."""
     names = list(runs[0])
     samples: dict[str, list[float]] = {n: [] for n in names}
     for run in runs:  # warm-up: first calls allocate
         for n in names:
             run[n]()
-    for _ in range(repeats):
+    timed = 0.0
+    for r in range(repeats):
+        if r >= MIN_REPEATS and timed >= long_s:
+            break
         for n in names:
             if evict is not None:
                 evict()
@@ -207,6 +220,7 @@ def time_candidates(
             for run in runs:
                 run[n]()
             samples[n].append(clock() - t0)
+            timed += samples[n][-1]
     return {n: statistics.median(s) for n, s in samples.items()}
 
 

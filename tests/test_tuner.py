@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -85,6 +86,30 @@ def test_tuner_times_from_memory_only_when_weights_exceed_the_last_level_cache(m
     runs = [{"a": lambda: order.append("a"), "b": lambda: order.append("b")}]
     tuner.time_candidates(runs, 2, lambda: order.append("evict"))
     assert order == ["a", "b"] + ["evict", "a", "evict", "b"] * 2  # warm-up, then 2 repeats
+
+
+def test_long_shapes_are_timed_in_fewer_rounds():
+    """On the fake clock: passes of 0.4 and 0.5 s stop after MIN_REPEATS rounds (the timed
+    passes reach LONG_SHAPE_S), passes of 1 ms get every round asked for."""
+    from specserve.kernels import tuner
+
+    clock = FakeClock()
+    calls: list[str] = []
+
+    def candidate(name: str, seconds: float) -> Callable[[], None]:
+        def call() -> None:
+            calls.append(name)
+            clock.advance(seconds)
+        return call
+
+    long = tuner.time_candidates([{"a": candidate("a", 0.4), "b": candidate("b", 0.5)}], 5,
+                                 clock=clock)
+    assert calls.count("a") == 1 + tuner.MIN_REPEATS  # warm-up, then 2 rounds (1.8 s timed)
+    assert long == {"a": pytest.approx(0.4), "b": pytest.approx(0.5)}
+    calls.clear()
+    tuner.time_candidates([{"a": candidate("a", 1e-3), "b": candidate("b", 1e-3)}], 5,
+                          clock=clock)
+    assert calls.count("a") == 1 + 5
 
 
 def test_projection_seconds_interpolates_between_measured_counts():
