@@ -154,7 +154,8 @@ def _draft(ctx: ProposerContext) -> Proposer:
 def _text_draft(ctx: ProposerContext) -> Proposer:
     from specserve.draft.text_draft import TextDraftProposer
 
-    return TextDraftProposer(ctx.draft, ctx.settings.block_size)
+    return TextDraftProposer(ctx.draft, ctx.settings.block_size,
+                             ctx.settings.cross_tokenizer_method, ctx.probs_fn, ctx.settings.seed)
 
 
 def _eagle(ctx: ProposerContext) -> Proposer:

@@ -1,25 +1,42 @@
-"""TextDraftProposer: a small LM with ANOTHER tokenizer drafts text; the target verifies its own
-tokens of that text.
+"""TextDraftProposer: a small LM with ANOTHER tokenizer drafts; the target verifies. Two lossless
+methods for heterogeneous vocabularies (Timor et al., ICML 2025), chosen per request by
+``cross_tokenizer_method``:
 
-Lossless by string-level exact match (SLEM, Timor et al., ICML 2025). The draft runs on its own
-tokenization of the sequence's text, drafts greedily, and its text is turned into target tokens
-(text_align.py). The proposal carries no draft distribution, so the rejection sampler verifies
-it as one-hot q: draft token d is accepted with probability p(d) and on rejection the token is
-drawn from p with d removed, renormalized. Every emitted token then follows p exactly, whatever d
-was, as long as d is fixed before the target's draw (P(d) = p(d); P(y != d) = (1 - p(d)) p(y) /
-(1 - p(d)) = p(y)); greedy requests accept d iff it is the target's argmax. So neither the
-draft's numbers nor how the two tokenizers align can change an answer, only how many drafts are
-accepted. Drafting greedily maximizes p(d) for a draft that agrees with the target, which is why
-sampled requests draft greedily too (a sampled d would be accepted with E_q[p(d)] <= max p).
-Token-level intersection (the draft's q restricted to the shared tokens) is not run.
+String-level exact match (SLEM). The draft drafts greedily on its own tokenization of the
+sequence's text, and its text is turned into target tokens (text_align.py). The proposal carries
+no draft distribution for these rows (one-hot q), so draft token d is accepted with probability
+p(d) and on rejection the token is drawn from p with d removed, renormalized. Every emitted token
+then follows p exactly, whatever d was, as long as d is fixed before the target's draw (P(d) =
+p(d); P(y != d) = (1 - p(d)) p(y) / (1 - p(d)) = p(y)); greedy requests accept d iff it is the
+target's argmax. Drafting greedily maximizes p(d) for a draft that agrees with the target.
+
+Token-level intersection (TLI). The intersection I holds the tokens both vocabularies have as
+the same byte string (``VocabIntersection``, built at load). The draft's logits restricted to I
+are read as logits over the target's vocabulary (-inf outside I), q = the engine's processing
+of them (the request's temperature / top-k / top-p, ``DraftSampler``), and the draft token is
+drawn from q: it IS a target token (no re-tokenization), and the next draft step feeds its draft
+id. The proposal's q rows go to the rejection sampler (accept min(1, p/q), residual max(0, p -
+q) renormalized), which keeps p exactly for any q, whatever I is; greedy rows take the argmax
+over I, accepted iff it is the target's argmax. A TLI draft starts where the draft's text ends:
+when the target has emitted only part of a character, that step's draft is SLEM's under
+``auto`` and none under ``tli``.
+
+Which one runs: ``slem`` and ``tli`` force it; ``auto`` runs SLEM for greedy requests and TLI
+for sampled ones. Measured on Qwen2.5-Coder-0.5B Q4_K_M with SmolLM2-135M drafting (k = 4,
+benchmarks/text_draft.py, see benchmarks/RESULTS.md): greedy, SLEM accepts more (its target
+tokens are the canonical tokenization the target itself prefers; TLI's may split a word
+differently); sampled, TLI does (SLEM's single greedy guess is accepted with p(d) only, TLI's q
+follows p where the two models agree). A batch may mix both: the proposal's ``draft_probs`` then
+has a row per drafted token, one-hot for SLEM's.
 
 The draft's KV is its own: its own ``ModelRunner`` (pool sized beside the target's, see
 ``TextDraftSource``) and a block allocation per sequence, freed in ``finish``. Its tokens follow
-the accepted text: after a verify, the drafted tokens whose text the target accepted are kept
-(their KV is valid), the last kept token is re-tokenized together with the new text (so a word
-cut at the boundary merges again), and KV past the kept tokens is recomputed. The work per step
-is the new text plus a few tokens, whatever the context length. A sequence whose draft cannot get
-blocks, or would pass the draft's context window, simply drafts nothing.
+the accepted text (under either method: a TLI draft's text is its tokens' text): after a verify,
+the drafted tokens whose text the target accepted are kept (their KV is valid), the last kept
+token is re-tokenized together with the new text (so a word cut at the boundary merges again),
+and KV past the kept tokens is recomputed. The work per step is the new text plus a few tokens,
+whatever the context length. A sequence whose draft cannot get blocks, or would pass the draft's
+context window, simply drafts nothing.
 
 Counting in target tokens for the engine: ``kv_computed`` (Proposal and ``prefill``) says how
 many target tokens' text the draft has read, so the planner's catch-up (a long pause at k = 0)
@@ -30,13 +47,20 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from specserve.draft.base import FinishedSequence, PrefillChunk, Proposal, ProposalRequest
+from specserve.draft.base import (
+    DraftSampling,
+    FinishedSequence,
+    PrefillChunk,
+    Proposal,
+    ProposalRequest,
+)
+from specserve.draft.draft_sampler import GREEDY, DraftSampler
 from specserve.draft.text_align import (
     TargetText,
     common_prefix,
@@ -44,6 +68,7 @@ from specserve.draft.text_align import (
     encode,
     target_continuation,
 )
+from specserve.draft.vocab_intersection import VocabIntersection
 from specserve.target.layout import Chunk, build_layout
 from specserve.target.model_runner import ModelRunner
 
@@ -51,6 +76,7 @@ _REPLACEMENT = "\ufffd"
 # Text kept per sequence: from this many tokens back (a re-tokenization starts at most a
 # character's bytes before the last context token).
 _KEEP_TOKENS = 8
+AUTO, SLEM, TLI = "auto", "slem", "tli"
 
 
 @dataclass
@@ -61,6 +87,8 @@ class TextDraft:
     tokenizer: Any  # the draft's
     target_tokenizer: Any
     eos_token_ids: frozenset[int]  # the draft's
+    shared: VocabIntersection  # the tokens both vocabularies share (TLI drafts only these)
+    target_vocab_size: int  # the target's logits width: q rows are over it
 
     @property
     def target_special_ids(self) -> frozenset[int]:
@@ -89,12 +117,37 @@ class _SeqDraft:
         return self.base + len(self.text)
 
 
+@dataclass
+class _Job:
+    """One sequence's drafting this step: at most ``steps`` draft forwards, ``tokens`` the
+    draft's ids. Under TLI ``targets`` are the same tokens as target ids and ``q`` their rows
+    of the draft distribution (sampled requests only)."""
+
+    index: int  # of the request
+    seq_id: int
+    st: _SeqDraft
+    steps: int
+    tli: bool
+    sampling: DraftSampling
+    tokens: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)  # [V_target] each
+
+
 class TextDraftProposer:
     name = "text_draft"
     uses_model = True
 
-    def __init__(self, draft: TextDraft, block_size: int) -> None:
+    def __init__(
+        self, draft: TextDraft, block_size: int, method: str = AUTO,
+        probs_fn: Callable[[torch.Tensor, list[Any]], torch.Tensor] | None = None, seed: int = 0,
+    ) -> None:
+        """``method``: auto | slem | tli (``cross_tokenizer_method``); ``probs_fn``: the
+        engine's logits processing, for TLI's q of sampled requests."""
+        if method not in (AUTO, SLEM, TLI):
+            raise ValueError(f"cross_tokenizer_method must be auto, slem or tli (got {method!r})")
         self.draft = draft
+        self.method = method
         self.runner = draft.runner
         self.block_size = block_size
         self.device = draft.runner.device
@@ -102,12 +155,17 @@ class TextDraftProposer:
         self.free_blocks = list(range(draft.runner.num_blocks - 1, -1, -1))
         self.seqs: dict[int, _SeqDraft] = {}
         self.target_special = draft.target_special_ids
+        self.shared = draft.shared
+        self.shared_draft_ids = draft.shared.draft_ids.to(self.device)
+        self.sampler = DraftSampler(draft.shared.target_ids, draft.target_vocab_size, probs_fn,
+                                    seed)
         # target tokens per draft token, measured: how many draft steps k target tokens need
         self.ratio = 1.0
 
     # ---- the protocol -----------------------------------------------------------------------
 
     def finish(self, done: FinishedSequence) -> None:
+        self.sampler.forget(done.seq_id)
         st = self.seqs.pop(done.seq_id, None)
         if st is not None:
             self.free_blocks.extend(st.blocks)
@@ -138,27 +196,64 @@ class TextDraftProposer:
         t0 = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in requests]
         kv = [max(len(r.token_ids) - 1, 0) for r in requests]
-        jobs: list[tuple[int, _SeqDraft, int]] = []  # (request index, state, draft steps)
+        jobs: list[_Job] = []
         for i, r in enumerate(requests):
             st = self.seqs.setdefault(r.seq_id, _SeqDraft())
             self._sync(st, r.token_ids, len(r.token_ids))
             if r.num_tokens <= 0 or st.num_context == 0:
                 continue
-            steps = max(2, min(2 * r.num_tokens + 1, math.ceil(r.num_tokens / self.ratio) + 1))
+            sampling = r.sampling or GREEDY
+            tli = self._runs_tli(sampling, st, len(r.token_ids))
+            if tli is None:
+                continue
+            # TLI: one target token per draft step; SLEM: as many steps as the measured
+            # target tokens per draft token say k needs
+            steps = r.num_tokens if tli else max(
+                2, min(2 * r.num_tokens + 1, math.ceil(r.num_tokens / self.ratio) + 1))
             if st.num_context + steps > self.max_positions:
                 continue
             if not self._reserve(st, st.num_context + steps - 1):
                 continue
-            jobs.append((i, st, steps))
-        made = self._run_draft(jobs)
-        for (i, st, _), tokens in zip(jobs, made):
-            drafts[i] = self._to_target(requests[i], st, tokens)
+            jobs.append(_Job(i, r.seq_id, st, steps, tli, sampling))
+        self._run_draft(jobs)
+        for job in jobs:
+            drafts[job.index] = (job.targets[: requests[job.index].num_tokens] if job.tli else
+                                 self._to_target(requests[job.index], job.st, job.tokens))
         total = time.perf_counter() - t0
         k = max((r.num_tokens for r in requests), default=0)
         # Priced like a draft model's k sequential steps: what drafting k target tokens cost.
         step_seconds = [total / k] * k if jobs and k else []
-        return Proposal(draft_token_ids=drafts, draft_probs=None, kv_computed=[
-            n + len(d) for n, d in zip(kv, drafts)], step_seconds=step_seconds)
+        return Proposal(draft_token_ids=drafts, draft_probs=self._draft_probs(jobs, drafts),
+                        kv_computed=[n + len(d) for n, d in zip(kv, drafts)],
+                        step_seconds=step_seconds)
+
+    def _runs_tli(self, sampling: DraftSampling, st: _SeqDraft, num_tokens: int) -> bool | None:
+        """Whether this request drafts by TLI this step (None: it drafts nothing)."""
+        if self.method == SLEM or (self.method == AUTO and sampling.greedy):
+            return False
+        # A TLI draft continues the draft's text, which must then end at the target's last
+        # token: not so while the target has emitted only part of a character.
+        if len(self.shared) and st.target.read == num_tokens:
+            return True
+        return False if self.method == AUTO else None
+
+    def _draft_probs(self, jobs: list[_Job], drafts: list[list[int]]) -> torch.Tensor | None:
+        """q [sum(len(d) for d in drafts), V_target] when a sampled request drafted (None:
+        every draft is one-hot or greedy): TLI rows of sampled requests are their q, the
+        others one-hot on the draft (SLEM's q)."""
+        if not any(not j.sampling.greedy and drafts[j.index] for j in jobs):
+            return None
+        rows = {j.index: j for j in jobs}
+        probs = torch.zeros(sum(len(d) for d in drafts), self.draft.target_vocab_size)
+        at = 0
+        for i, d in enumerate(drafts):
+            job = rows.get(i)
+            if job is not None and job.tli and job.q:
+                probs[at : at + len(d)] = torch.stack(job.q[: len(d)])
+            elif d:
+                probs[torch.arange(at, at + len(d)), torch.tensor(d)] = 1.0
+            at += len(d)
+        return probs
 
     # ---- the draft's tokens follow the text -------------------------------------------------
 
@@ -206,33 +301,57 @@ class TextDraftProposer:
 
     # ---- drafting ---------------------------------------------------------------------------
 
-    def _run_draft(self, jobs: list[tuple[int, _SeqDraft, int]]) -> list[list[int]]:
-        """Greedy draft tokens per job, batched: step 0 feeds every context token without KV
-        (at least the last), step j the draft of step j - 1; a job stops at its step count or
-        the draft's EOS. Afterwards each state holds its drafts and their text."""
-        out: list[list[int]] = [[] for _ in jobs]
+    def _run_draft(self, jobs: list[_Job]) -> list[list[int]]:
+        """Draft tokens per job (the draft's ids, also in ``job.tokens``), batched: step 0
+        feeds every context token without KV (at least the last), step j the draft of step
+        j - 1; a job stops at its step count or the draft's EOS. SLEM jobs take the argmax,
+        TLI jobs draw from q over the shared tokens. Afterwards each state holds its drafts
+        and their text."""
         active = list(range(len(jobs)))
         step = 0
         eos = self.draft.eos_token_ids
         while active:
             chunks = []
             for j in active:
-                _, st, _ = jobs[j]
+                st = jobs[j].st
                 if step == 0:
                     start = min(st.kv, st.num_context - 1)
                     chunks.append(Chunk(st.ids[start : st.num_context], start, st.blocks, 1))
                 else:
-                    chunks.append(Chunk([out[j][-1]], st.num_context + step - 1, st.blocks, 1))
-            logits = self.runner.run(build_layout(chunks, self.block_size, self.device))
-            tokens = torch.argmax(logits, dim=-1).tolist()
-            for j, t in zip(active, tokens):
-                out[j].append(t)
+                    chunks.append(Chunk([jobs[j].tokens[-1]], st.num_context + step - 1,
+                                        st.blocks, 1))
+            logits = self.runner.run(build_layout(chunks, self.block_size, self.device))  # [A, Vd]
+            slem = [n for n, j in enumerate(active) if not jobs[j].tli]
+            tli = [n for n, j in enumerate(active) if jobs[j].tli]
+            if slem:
+                best = logits[slem].argmax(dim=-1).tolist()
+                for n, t in zip(slem, best):
+                    jobs[active[n]].tokens.append(t)
+            if tli:
+                self._draw_shared(logits[tli], [jobs[active[n]] for n in tli])
             step += 1
-            active = [j for j in active if len(out[j]) < jobs[j][2] and out[j][-1] not in eos]
-        for (_, st, _), tokens in zip(jobs, out):
-            st.kv = st.num_context + len(tokens) - 1
-            self._record_drafts(st, tokens)
-        return out
+            active = [j for j in active
+                      if len(jobs[j].tokens) < jobs[j].steps and jobs[j].tokens[-1] not in eos]
+        for job in jobs:
+            job.st.kv = job.st.num_context + len(job.tokens) - 1
+            self._record_drafts(job.st, job.tokens)
+        return [job.tokens for job in jobs]
+
+    def _draw_shared(self, logits: torch.Tensor, jobs: list[_Job]) -> None:
+        """TLI: draft logits [A, Vd] restricted to the shared tokens, seen as logits over the
+        target's vocabulary; each job's token is drawn from q (greedy: the argmax over them)."""
+        shared = logits[:, self.shared_draft_ids]  # [A, N]
+        if all(j.sampling.greedy for j in jobs):
+            targets, q = self.sampler.greedy(shared), None
+        else:
+            targets, q = self.sampler.sample(shared, [j.sampling for j in jobs],
+                                             [j.seq_id for j in jobs])  # q [A, V_target]
+        ids = self.shared.to_draft[torch.tensor(targets)].tolist()
+        for n, job in enumerate(jobs):
+            job.targets.append(targets[n])
+            job.tokens.append(ids[n])
+            if q is not None and not job.sampling.greedy:
+                job.q.append(q[n])
 
     def _record_drafts(self, st: _SeqDraft, tokens: list[int]) -> None:
         """Appends the drafts to ``st.ids`` with their text and character ends."""

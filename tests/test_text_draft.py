@@ -120,7 +120,7 @@ def test_draft_kv_holds_the_accepted_texts_tokens(pair, monkeypatch):
     checked = []
 
     def checked_run(jobs):
-        contexts = [list(st.ids[: st.num_context]) for _, st, _ in jobs]
+        contexts = [list(job.st.ids[: job.st.num_context]) for job in jobs]
         out = real(jobs)
         for ctx, tokens in zip(contexts, out):
             checked.append((ctx, tokens))

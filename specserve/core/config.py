@@ -31,6 +31,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Quantization = Literal["auto", "none", "int4", "int8"]
 SuffixScope = Literal["request", "global"]
+CrossTokenizerMethod = Literal["auto", "slem", "tli"]
 
 
 def _help(text: str, **bounds: float | str) -> Meta:
@@ -58,6 +59,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "a draft model with another tokenizer than the target's runs as text_draft (it drafts "
         "text; the target verifies its own tokens of that text, so the answers stay the "
         "target's); off refuses such a draft")] = True
+    cross_tokenizer_method: Annotated[CrossTokenizerMethod, _help(
+        "how a text_draft drafts, every way exact: slem (string-level exact match: the draft's "
+        "greedy text, re-tokenized into target tokens) | tli (token-level intersection: tokens "
+        "drawn from the draft's distribution over the tokens both vocabularies share, verified "
+        "against it) | auto (slem for greedy requests, tli for sampled ones: what accepts "
+        "more in each)")] = "auto"
     speculative_method: Annotated[str | None, _help(
         "speculative method of requests that name none: a proposer, auto (per step and "
         "sequence, the proposer with the best expected goodput; none when nothing pays) or "
