@@ -3,15 +3,19 @@ in one process: tok/s ratio, tokens per verify, draft cost per step, acceptance 
 
     python benchmarks/text_draft.py [--model QWEN.gguf] [--draft-model default]
         [--workloads code chat] [--prompts 4] [--max-tokens 128] [--modes off text_draft auto]
-        [--rounds 1] [--json out.json]
+        [--temperature 0.0] [--rounds 1] [--json out.json]
 
 The default pair is the built-in SmolLM2-135M-Instruct (49,152 tokens) drafting for
 Qwen2.5-Coder-0.5B-Instruct Q4_K_M (151,936 tokens), the file benchmarks/fetch_qwen.py
 fetches. The engine runs its defaults plus ``--draft-model``; each request names its mode as
-``speculative.method`` (``off`` is plain decoding), so every mode runs on the same engine.
-Prompts: benchmarks/prompts/<workload>.json rendered with the target's chat template, greedy,
-up to --max-tokens tokens (EOS ends an answer). Every mode must give the same tokens per
-prompt (greedy speculation is exact): a difference fails the run.
+``speculative.method`` (``off`` is plain decoding), so every mode runs on the same engine. A
+mode ``text_draft:slem`` / ``text_draft:tli`` / ``text_draft:auto`` runs the text draft with
+that cross-tokenizer method (the proposer's ``method``, what ``--cross-tokenizer-method``
+sets); plain ``text_draft`` keeps the engine's. Prompts: benchmarks/prompts/<workload>.json
+rendered with the target's chat template, up to --max-tokens tokens (EOS ends an answer),
+greedy unless --temperature (sampled answers differ between modes; tokens per verify compares
+them). Greedy, every mode must give the same tokens per prompt (speculation is exact): a
+difference fails the run.
 
 Per mode: tok/s = output tokens / wall seconds over the prompts, one after another; tokens per
 verify = (accepted + verify steps) / verify steps; draft ms per verify step (the draft's
@@ -90,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--modes", nargs="+", default=["off", "text_draft"])
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--fixed-k", type=int, default=0,
                     help="turn the adaptive policy off and draft this many tokens every step "
@@ -107,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine ready in {time.perf_counter() - t0:.0f} s; caveat: "
           f"{engine.config.speculation_caveat}", flush=True)
     tok = engine.tokenizer
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    text_draft = engine.speculator.proposers.get("text_draft")
+    engine_method = getattr(text_draft, "method", None)
     report: dict = {"model": args.model, "draft_model": args.draft_model, "fixed_k": args.fixed_k,
-                    "max_tokens": args.max_tokens, "workloads": {}}
+                    "max_tokens": args.max_tokens, "temperature": args.temperature,
+                    "workloads": {}}
     for workload in args.workloads:
         raw = json.loads((ROOT / "prompts" / f"{workload}.json").read_text())[: args.prompts]
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -125,12 +132,19 @@ def main(argv: list[str] | None = None) -> int:
             for mode in order:
                 current[0] = mode
                 st = stats[mode]
+                method, _, cross = mode.partition(":")
+                if text_draft is not None:
+                    text_draft.method = cross or engine_method
                 for i, p in enumerate(prompts):
                     # suffix decoding (in auto) would otherwise copy this prompt's answer from
                     # an earlier mode's or round's run of it
                     engine.clear_speculation_caches()
                     t = time.perf_counter()
-                    (out,) = engine.generate([p], params, SpeculativeParams(mode))
+                    # no per-request seed: a seeded request accepts a draft only where its own
+                    # draw equals it, not by min(1, p/q), which is what the methods differ in
+                    params = SamplingParams(max_tokens=args.max_tokens,
+                                            temperature=args.temperature)
+                    (out,) = engine.generate([p], params, SpeculativeParams(method))
                     st.seconds += time.perf_counter() - t
                     st.tokens += len(out.token_ids)
                     st.drafted += out.timings.num_drafted
@@ -138,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                     st.verify_steps += out.timings.num_verify_steps
                     st.draft_ms += out.timings.draft_ms
                     ref = answers.setdefault(i, out.token_ids)
-                    if out.token_ids != ref:
+                    if out.token_ids != ref and not args.temperature:
                         print(f"MISMATCH {workload} prompt {i}: {mode} differs from the first "
                               f"mode run", flush=True)
                         return 1
@@ -149,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             acc = ", ".join(f"{j}:{a:.2f}" for j, a in s["acceptance_by_position"].items())
             tpv = s["tokens_per_verify"]
             dms = s["draft_ms_per_verify"]
-            print(f"{workload:6s} {m:10s} {s['tok_s']:6.2f} tok/s  x{s['ratio_vs_off'] or 0:.2f}"
+            print(f"{workload:6s} {m:15s} {s['tok_s']:6.2f} tok/s  x{s['ratio_vs_off'] or 0:.2f}"
                   f"  tokens/verify {tpv or 0:.2f}  draft ms/verify {dms or 0:.1f}"
                   f"  ({s['accepted']}/{s['drafted']} accepted; by position {acc})", flush=True)
         report["workloads"][workload] = summary

@@ -256,3 +256,176 @@ def test_auto_prices_and_picks_the_text_draft(pair, monkeypatch):
     (out,) = engine.generate([p], GREEDY)
     assert out.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
     assert calls and out.timings.num_accepted > 0
+
+
+# ---- token-level intersection (TLI) and the choice of method ----------------------------------
+
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.7, top_k=50, ignore_eos=True)
+
+
+def _proposals(monkeypatch, proposer):
+    """Records each proposal with the requests it answered, and each TLI draw's rows."""
+    seen: list[tuple[list, object]] = []  # (requests, proposal)
+    draws: list[int] = []
+    real_propose, real_draw = proposer.propose, proposer._draw_shared
+
+    def propose(requests):
+        out = real_propose(requests)
+        seen.append((requests, out))
+        return out
+
+    def draw(logits, jobs):
+        draws.append(len(jobs))
+        return real_draw(logits, jobs)
+
+    monkeypatch.setattr(proposer, "propose", propose)
+    monkeypatch.setattr(proposer, "_draw_shared", draw)
+    return seen, draws
+
+
+@pytest.mark.parametrize("engine_kw", [{}, {"num_speculative_tokens": 2}])
+def test_tli_greedy_identical_to_transformers_and_plain(pair, engine_kw, monkeypatch):
+    """Forced TLI drafts the argmax over the shared tokens as target tokens: the answer stays
+    the target's greedy one, and shared tokens the target agrees with are accepted."""
+    *_, hf, tok, _, _ = pair
+    engine = _engine(pair, cross_tokenizer_method="tli", **engine_kw)
+    proposer: TextDraftProposer = engine.speculator.proposers["text_draft"]
+    seen, draws = _proposals(monkeypatch, proposer)
+    ps = _prompts(tok)
+    outs = engine.generate(ps, GREEDY)
+    plain = engine.generate(ps, GREEDY, SpeculativeParams("off"))
+    for p, o, q in zip(ps, outs, plain):
+        assert o.token_ids == q.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
+    assert draws and sum(o.timings.num_accepted for o in outs) > 0
+    shared = set(proposer.shared.target_ids.tolist())
+    for _, proposal in seen:
+        assert proposal.draft_probs is None  # greedy: the drafts are the argmax
+        assert all(t in shared for d in proposal.draft_token_ids for t in d)
+    assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
+    assert not proposer.seqs and len(proposer.free_blocks) == proposer.runner.num_blocks
+
+
+def test_tli_q_is_the_drafts_processed_distribution_over_the_shared_tokens(pair, monkeypatch):
+    """Each TLI draft row of a sampled request is q = the request's processing (temperature,
+    top-k) of the draft model's own logits (transformers, on the draft's tokens of the text)
+    at the shared tokens, 0 elsewhere; the drafted token is shared, with q > 0; the proposal
+    has a row per drafted token."""
+    from specserve.draft.vocab_intersection import VocabIntersection
+    from tests.helpers.reference import expected_distribution
+
+    *_, tok, random_dir, draft_hf = pair
+    engine = _engine(pair, draft=random_dir, cross_tokenizer_method="tli")
+    proposer: TextDraftProposer = engine.speculator.proposers["text_draft"]
+    shared: VocabIntersection = proposer.shared
+    contexts: list[list[int]] = []
+    real_run = proposer._run_draft
+
+    def run(jobs):
+        contexts.extend(list(j.st.ids[: j.st.num_context]) for j in jobs)
+        return real_run(jobs)
+
+    monkeypatch.setattr(proposer, "_run_draft", run)
+    seen, draws = _proposals(monkeypatch, proposer)
+    outs = engine.generate(_prompts(tok)[:2], SAMPLED)
+    assert draws and all(o.timings.num_drafted > 0 for o in outs)
+    at = 0
+    checked = 0
+    outside = torch.ones(len(tok), dtype=torch.bool)
+    outside[shared.target_ids] = False
+    for _, proposal in seen:
+        drafts = proposal.draft_token_ids
+        if not any(drafts):
+            continue
+        q = proposal.draft_probs
+        assert q is not None and q.shape == (sum(map(len, drafts)), len(tok))
+        assert torch.allclose(q.sum(-1), torch.ones(len(q)), atol=1e-5)
+        assert float(q[:, outside].abs().max()) == 0.0
+        row = 0
+        for d in drafts:
+            for n, t in enumerate(d):
+                assert not outside[t] and q[row + n, t] > 0
+            if d:
+                ctx = contexts[at]
+                with torch.no_grad():
+                    logits = draft_hf(torch.tensor([ctx])).logits[0, -1]
+                ref = torch.zeros(len(tok), dtype=torch.float64)
+                ref[shared.target_ids] = expected_distribution(
+                    logits[shared.draft_ids], SAMPLED.temperature, SAMPLED.top_k, 1.0)
+                assert torch.allclose(q[row].double(), ref, atol=1e-4), float(
+                    (q[row].double() - ref).abs().max())
+                checked += 1
+            row += len(d)
+            at += 1 if d else 0
+    assert checked > 5
+
+
+@pytest.mark.parametrize("method", ["tli", "auto"])
+def test_sampled_distribution_equals_target_with_tli(pair, method):
+    """The second token comes out of a verify step of TLI drafts (k = 1): its distribution
+    must equal the target's exact float64 marginal (under auto a sampled request runs TLI)."""
+    *_, hf, tok, _, _ = pair
+    prompt = _prompts(tok)[0]
+    temperature = 1.0
+    expected = exact_second_token_distribution(hf, prompt, temperature)
+    engine = _engine(pair, max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=3000,
+                     seed=7, cross_tokenizer_method=method)
+    params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
+    counts = torch.zeros_like(expected)
+    drafted = accepted = 0
+    for _ in range(6):
+        for o in engine.generate([prompt] * 250, params, SpeculativeParams("text_draft", 1)):
+            counts[o.token_ids[1]] += 1
+            drafted += o.timings.num_drafted
+            accepted += o.timings.num_accepted
+    assert drafted > counts.sum() / 2 and 0 < accepted < drafted, (accepted, drafted)
+    chi2, bound = chi_square(counts, expected)
+    assert chi2 < bound, (chi2, bound)
+
+
+def test_method_choice(pair, monkeypatch):
+    """slem never draws from the shared tokens' q (its sampled rows are one-hot); tli always
+    does, greedy too; auto runs SLEM for a greedy request and TLI for a sampled one of the
+    same batch, whose proposal then has a row per draft, one-hot for the SLEM ones."""
+    *_, hf, tok, _, _ = pair
+    ps = _prompts(tok)[:2]
+    for method in ["slem", "tli"]:
+        engine = _engine(pair, cross_tokenizer_method=method)
+        proposer = engine.speculator.proposers["text_draft"]
+        seen, draws = _proposals(monkeypatch, proposer)
+        outs = engine.generate(ps, SAMPLED)
+        assert sum(o.timings.num_drafted for o in outs) > 0
+        if method == "slem":
+            assert not draws
+            for _, proposal in seen:
+                q = proposal.draft_probs
+                if q is not None:
+                    assert set(q.flatten().tolist()) <= {0.0, 1.0}
+        else:
+            assert draws
+    engine = _engine(pair)
+    assert engine.config.cross_tokenizer_method == "auto"
+    proposer = engine.speculator.proposers["text_draft"]
+    seen, draws = _proposals(monkeypatch, proposer)
+    outs = engine.generate(ps, [GREEDY, SAMPLED])
+    assert outs[0].token_ids == hf_greedy(hf, ps[0], GREEDY.max_tokens)
+    mixed = 0
+    for requests, proposal in seen:
+        by_seq = {r.seq_id: (r, d) for r, d in zip(requests, proposal.draft_token_ids)}
+        if proposal.draft_probs is None:
+            continue
+        row = 0
+        for r, d in by_seq.values():
+            rows = proposal.draft_probs[row : row + len(d)]
+            if r.sampling is None or r.sampling.greedy:  # SLEM: one-hot on its drafts
+                assert rows.sum().item() == len(d)
+                assert all(rows[n, t] == 1.0 for n, t in enumerate(d))
+                mixed += bool(d)
+            row += len(d)
+        assert row == len(proposal.draft_probs)
+    assert draws and mixed
+
+
+def test_invalid_cross_tokenizer_method_is_a_config_error(pair):
+    target, draft, *_ = pair
+    with pytest.raises(ConfigError, match="cross-tokenizer-method must be auto, slem or tli"):
+        make(target, draft_model=draft, kernel_tuning=False, cross_tokenizer_method="exact")
