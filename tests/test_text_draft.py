@@ -5,6 +5,8 @@ draft is recognized and refused."""
 
 from __future__ import annotations
 
+import codecs
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from specserve.core.sampling_params import SamplingParams, SpeculativeParams
 from specserve.draft.loading import TEXT_DRAFT, open_draft
 from specserve.draft.text_align import TargetText, decode, target_continuation
 from specserve.draft.text_draft import TextDraftProposer
+from specserve.draft.vocab_intersection import token_bytes
 from tests.helpers.reference import chi_square, exact_second_token_distribution, hf_greedy
 from tests.helpers.speculation import make
 from tests.helpers.text_pair import (
@@ -265,13 +268,15 @@ SAMPLED = SamplingParams(max_tokens=24, temperature=0.7, top_k=50, ignore_eos=Tr
 
 def _proposals(monkeypatch, proposer):
     """Records each proposal with the requests it answered, and each TLI draw's rows."""
-    seen: list[tuple[list, object]] = []  # (requests, proposal)
+    # (requests, proposal, each request's tokens then: the engine's lists grow afterwards)
+    seen: list[tuple[list, object, list[list[int]]]] = []
     draws: list[int] = []
     real_propose, real_draw = proposer.propose, proposer._draw_shared
 
     def propose(requests):
+        tokens = [list(r.token_ids) for r in requests]
         out = real_propose(requests)
-        seen.append((requests, out))
+        seen.append((requests, out, tokens))
         return out
 
     def draw(logits, jobs):
@@ -283,12 +288,11 @@ def _proposals(monkeypatch, proposer):
     return seen, draws
 
 
-@pytest.mark.parametrize("engine_kw", [{}, {"num_speculative_tokens": 2}])
-def test_tli_greedy_identical_to_transformers_and_plain(pair, engine_kw, monkeypatch):
+def test_tli_greedy_identical_to_transformers_and_plain(pair, monkeypatch):
     """Forced TLI drafts the argmax over the shared tokens as target tokens: the answer stays
     the target's greedy one, and shared tokens the target agrees with are accepted."""
     *_, hf, tok, _, _ = pair
-    engine = _engine(pair, cross_tokenizer_method="tli", **engine_kw)
+    engine = _engine(pair, cross_tokenizer_method="tli")
     proposer: TextDraftProposer = engine.speculator.proposers["text_draft"]
     seen, draws = _proposals(monkeypatch, proposer)
     ps = _prompts(tok)
@@ -298,7 +302,7 @@ def test_tli_greedy_identical_to_transformers_and_plain(pair, engine_kw, monkeyp
         assert o.token_ids == q.token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
     assert draws and sum(o.timings.num_accepted for o in outs) > 0
     shared = set(proposer.shared.target_ids.tolist())
-    for _, proposal in seen:
+    for _, proposal, _ in seen:
         assert proposal.draft_probs is None  # greedy: the drafts are the argmax
         assert all(t in shared for d in proposal.draft_token_ids for t in d)
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
@@ -317,112 +321,159 @@ def test_tli_q_is_the_drafts_processed_distribution_over_the_shared_tokens(pair,
     engine = _engine(pair, draft=random_dir, cross_tokenizer_method="tli")
     proposer: TextDraftProposer = engine.speculator.proposers["text_draft"]
     shared: VocabIntersection = proposer.shared
-    contexts: list[list[int]] = []
+    jobs_of: list[dict[int, tuple[bool, list[int]]]] = []  # per propose: seq -> (tli, context)
     real_run = proposer._run_draft
 
     def run(jobs):
-        contexts.extend(list(j.st.ids[: j.st.num_context]) for j in jobs)
+        jobs_of.append({j.seq_id: (j.tli, list(j.st.ids[: j.st.num_context])) for j in jobs})
         return real_run(jobs)
 
     monkeypatch.setattr(proposer, "_run_draft", run)
     seen, draws = _proposals(monkeypatch, proposer)
     outs = engine.generate(_prompts(tok)[:2], SAMPLED)
     assert draws and all(o.timings.num_drafted > 0 for o in outs)
-    at = 0
+    assert len(jobs_of) == len(seen)
     checked = 0
     outside = torch.ones(len(tok), dtype=torch.bool)
     outside[shared.target_ids] = False
-    for _, proposal in seen:
+    for (requests, proposal, _), jobs in zip(seen, jobs_of):
         drafts = proposal.draft_token_ids
         if not any(drafts):
             continue
         q = proposal.draft_probs
         assert q is not None and q.shape == (sum(map(len, drafts)), len(tok))
         assert torch.allclose(q.sum(-1), torch.ones(len(q)), atol=1e-5)
-        assert float(q[:, outside].abs().max()) == 0.0
         row = 0
-        for d in drafts:
-            for n, t in enumerate(d):
-                assert not outside[t] and q[row + n, t] > 0
-            if d:
-                ctx = contexts[at]
-                with torch.no_grad():
-                    logits = draft_hf(torch.tensor([ctx])).logits[0, -1]
-                ref = torch.zeros(len(tok), dtype=torch.float64)
-                ref[shared.target_ids] = expected_distribution(
-                    logits[shared.draft_ids], SAMPLED.temperature, SAMPLED.top_k, 1.0)
-                assert torch.allclose(q[row].double(), ref, atol=1e-4), float(
-                    (q[row].double() - ref).abs().max())
-                checked += 1
+        for r, d in zip(requests, drafts):
+            rows = q[row : row + len(d)]
             row += len(d)
-            at += 1 if d else 0
+            if not d:
+                continue
+            tli, ctx = jobs[r.seq_id]
+            if not tli:  # the target stopped inside a character: SLEM, one-hot
+                assert all(rows[n, t] == 1.0 for n, t in enumerate(d))
+                continue
+            assert float(rows[:, outside].abs().max()) == 0.0
+            for n, t in enumerate(d):
+                assert not outside[t] and rows[n, t] > 0
+            with torch.no_grad():
+                logits = draft_hf(torch.tensor([ctx])).logits[0, -1]
+            ref = torch.zeros(len(tok), dtype=torch.float64)
+            ref[shared.target_ids] = expected_distribution(
+                logits[shared.draft_ids], SAMPLED.temperature, SAMPLED.top_k, 1.0)
+            assert torch.allclose(rows[0].double(), ref, atol=1e-4), float(
+                (rows[0].double() - ref).abs().max())
+            checked += 1
     assert checked > 5
 
 
-@pytest.mark.parametrize("method", ["tli", "auto"])
-def test_sampled_distribution_equals_target_with_tli(pair, method):
+@pytest.mark.slow
+def test_sampled_distribution_equals_target_with_tli(pair):
     """The second token comes out of a verify step of TLI drafts (k = 1): its distribution
-    must equal the target's exact float64 marginal (under auto a sampled request runs TLI)."""
+    must equal the target's exact float64 marginal."""
     *_, hf, tok, _, _ = pair
     prompt = _prompts(tok)[0]
     temperature = 1.0
     expected = exact_second_token_distribution(hf, prompt, temperature)
     engine = _engine(pair, max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=3000,
-                     seed=7, cross_tokenizer_method=method)
+                     seed=7, cross_tokenizer_method="tli")
+    proposer = engine.speculator.proposers["text_draft"]
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
     counts = torch.zeros_like(expected)
     drafted = accepted = 0
+    calls = []
+    real = proposer._draw_shared
+    proposer._draw_shared = lambda logits, jobs: calls.append(len(jobs)) or real(logits, jobs)
     for _ in range(6):
         for o in engine.generate([prompt] * 250, params, SpeculativeParams("text_draft", 1)):
             counts[o.token_ids[1]] += 1
             drafted += o.timings.num_drafted
             accepted += o.timings.num_accepted
+    # most first verifies drafted by TLI (the rest by SLEM: a first token inside a character)
+    assert sum(calls) > counts.sum() / 2
     assert drafted > counts.sum() / 2 and 0 < accepted < drafted, (accepted, drafted)
     chi2, bound = chi_square(counts, expected)
     assert chi2 < bound, (chi2, bound)
 
 
+def _inside_a_character(target_bytes: dict[int, bytes], ids) -> bool:
+    """Whether the tokens' bytes end with an unfinished UTF-8 character (a reference apart
+    from the tokenizer's decode)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(b"".join(target_bytes[i] for i in ids))
+    return bool(decoder.getstate()[0])
+
+
 def test_method_choice(pair, monkeypatch):
-    """slem never draws from the shared tokens' q (its sampled rows are one-hot); tli always
-    does, greedy too; auto runs SLEM for a greedy request and TLI for a sampled one of the
-    same batch, whose proposal then has a row per draft, one-hot for the SLEM ones."""
+    """slem never draws from the shared tokens' q (no q rows at all); tli draws for greedy and
+    sampled requests, except for a sampled request the target left inside a character: that
+    step it drafts by SLEM, in the same proposal as TLI rows, with one-hot rows; auto runs
+    AUTO_GREEDY's method for greedy requests and AUTO_SAMPLED's for sampled ones."""
+    from specserve.draft.base import DraftSampling
+    from specserve.draft.text_draft import AUTO_GREEDY, AUTO_SAMPLED, TLI
+
     *_, hf, tok, _, _ = pair
-    ps = _prompts(tok)[:2]
-    for method in ["slem", "tli"]:
-        engine = _engine(pair, cross_tokenizer_method=method)
-        proposer = engine.speculator.proposers["text_draft"]
-        seen, draws = _proposals(monkeypatch, proposer)
-        outs = engine.generate(ps, SAMPLED)
-        assert sum(o.timings.num_drafted for o in outs) > 0
-        if method == "slem":
-            assert not draws
-            for _, proposal in seen:
-                q = proposal.draft_probs
-                if q is not None:
-                    assert set(q.flatten().tolist()) <= {0.0, 1.0}
-        else:
-            assert draws
-    engine = _engine(pair)
-    assert engine.config.cross_tokenizer_method == "auto"
+    target_bytes = token_bytes(tok)
+    ids = tok(CYCLE * 3, add_special_tokens=False)["input_ids"]
+    period = len(ids) // 3
+    inside = next(n for n in range(period, len(ids)) if _inside_a_character(target_bytes, ids[:n]))
+    ps = [_prompts(tok)[0], ids[:inside]]  # at a word's end; inside the emoji's bytes
+    assert len(ps[0]) != len(ps[1])
+    engine = _engine(pair, cross_tokenizer_method="slem")
     proposer = engine.speculator.proposers["text_draft"]
     seen, draws = _proposals(monkeypatch, proposer)
-    outs = engine.generate(ps, [GREEDY, SAMPLED])
-    assert outs[0].token_ids == hf_greedy(hf, ps[0], GREEDY.max_tokens)
+    outs = engine.generate(ps, SAMPLED)
+    assert sum(o.timings.num_drafted for o in outs) > 0
+    assert not draws and all(p.draft_probs is None for _, p, _ in seen)
+
+    engine = _engine(pair, cross_tokenizer_method="tli")
+    proposer = engine.speculator.proposers["text_draft"]
+    seen, draws = _proposals(monkeypatch, proposer)
+    (out,) = engine.generate(ps[:1], GREEDY)
+    assert draws and out.token_ids == hf_greedy(hf, ps[0], GREEDY.max_tokens)
+    draws.clear()
+    ran: list[dict[int, bool]] = []  # per propose: seq -> drafted by TLI
+    real_run = proposer._run_draft
+    monkeypatch.setattr(proposer, "_run_draft", lambda jobs: ran.append(
+        {j.seq_id: j.tli for j in jobs}) or real_run(jobs))
+    seen.clear()
+    engine.generate(ps, SAMPLED)
+    assert draws and len(ran) == len(seen)
+    for r in seen[0][0]:  # the first step: the prompt inside the emoji by SLEM, the other TLI
+        assert ran[0][r.seq_id] == (r.num_prompt_tokens == len(ps[0]))
+    outside = torch.ones(len(tok), dtype=torch.bool)
+    outside[proposer.shared.target_ids] = False
     mixed = 0
-    for requests, proposal in seen:
-        by_seq = {r.seq_id: (r, d) for r, d in zip(requests, proposal.draft_token_ids)}
+    for (requests, proposal, tokens), tli in zip(seen, ran):
         if proposal.draft_probs is None:
             continue
         row = 0
-        for r, d in by_seq.values():
+        kinds = set()
+        for r, ids, d in zip(requests, tokens, proposal.draft_token_ids):
             rows = proposal.draft_probs[row : row + len(d)]
-            if r.sampling is None or r.sampling.greedy:  # SLEM: one-hot on its drafts
-                assert rows.sum().item() == len(d)
-                assert all(rows[n, t] == 1.0 for n, t in enumerate(d))
-                mixed += bool(d)
             row += len(d)
+            if not d:
+                continue
+            kinds.add(tli[r.seq_id])
+            if not tli[r.seq_id]:  # SLEM: one-hot rows, and only while the text is unfinished
+                assert all(rows[n, t] == 1.0 for n, t in enumerate(d)) and rows.sum() == len(d)
+                assert decode(tok, ids).endswith("\ufffd")
+            else:
+                assert float(rows[:, outside].abs().max()) == 0.0
         assert row == len(proposal.draft_probs)
-    assert draws and mixed
+        mixed += kinds == {True, False}
+    assert mixed
+
+    engine = _engine(pair)
+    assert engine.config.cross_tokenizer_method == "auto"
+    proposer = engine.speculator.proposers["text_draft"]
+    assert proposer.method_for(DraftSampling(True)) == AUTO_GREEDY
+    assert proposer.method_for(DraftSampling(False)) == AUTO_SAMPLED
+    seen, draws = _proposals(monkeypatch, proposer)
+    outs = engine.generate(ps, [GREEDY, SAMPLED])
+    assert outs[0].token_ids == hf_greedy(hf, ps[0], GREEDY.max_tokens)
+    assert sum(o.timings.num_drafted for o in outs) > 0
+    assert bool(draws) == (TLI in (AUTO_GREEDY, AUTO_SAMPLED))
 
 
 def test_invalid_cross_tokenizer_method_is_a_config_error(pair):

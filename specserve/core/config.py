@@ -63,8 +63,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         "how a text_draft drafts, every way exact: slem (string-level exact match: the draft's "
         "greedy text, re-tokenized into target tokens) | tli (token-level intersection: tokens "
         "drawn from the draft's distribution over the tokens both vocabularies share, verified "
-        "against it) | auto (slem for greedy requests, tli for sampled ones: what accepts "
-        "more in each)")] = "auto"
+        "against it) | auto (slem for greedy and sampled requests: measured to accept as "
+        "much or more)")] = "auto"
     speculative_method: Annotated[str | None, _help(
         "speculative method of requests that name none: a proposer, auto (per step and "
         "sequence, the proposer with the best expected goodput; none when nothing pays) or "
