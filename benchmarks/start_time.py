@@ -6,9 +6,10 @@ first start of this file), then again (a second start).
 
 Each commit runs in its own temporary worktree (benchmarks/compare_commits.py's) with its own
 ``SPECSERVE_CACHE_DIR``, seeded with a copy of this machine's ``ext/`` and ``tune/`` caches, so
-neither the C++ build nor kernel timing is in the figures. ``--cold`` adds a start before those
-with an empty cache: the C++ build, kernel tuning, the thread choice and the model all cold
-(what a first start costs where nothing ran before and nothing was built at install). Reported
+neither the C++ build nor kernel timing is in the figures. ``--cold`` adds two starts before those:
+one with an empty cache (the C++ build, kernel tuning, the thread choice and the model all
+cold: nothing ran before and nothing was built at install), and one with only the compiled
+extensions cached (after `make` or `specserve build`). Reported
 per commit: wall seconds from process launch to the engine built (imports included), the
 engine's own build seconds, and RSS after the build. Writes a section of benchmarks/RESULTS.md.
 """
@@ -81,19 +82,23 @@ def main() -> int:
         for label, rev in (("old", args.old), ("new", args.new)):
             tree = working_tree() if rev is None else checkout(label, rev, work)
             trees.append(tree)
-            cold = None
+            cold = installed = None
             if args.cold:
                 (work / f"cold-{label}").mkdir()
                 cold = _start(tree, args.model, work / f"cold-{label}")
+                if (seed / "ext").is_dir():  # what `make` leaves: the C++ built, nothing timed
+                    shutil.copytree(seed / "ext", work / f"installed-{label}" / "ext")
+                    installed = _start(tree, args.model, work / f"installed-{label}")
             cache = work / f"cache-{label}"
             cache.mkdir()
             for part in ("ext", "tune"):
                 if (seed / part).is_dir():
                     shutil.copytree(seed / part, cache / part)
             first, second = _start(tree, args.model, cache), _start(tree, args.model, cache)
-            rows.append((label, tree.describe, cold, first, second))
-            print(label, tree.describe, json.dumps({"cold": cold, "first": first,
-                                                    "second": second}), flush=True)
+            rows.append((label, tree.describe, cold, installed, first, second))
+            print(label, tree.describe, json.dumps({"cold": cold, "installed": installed,
+                                                    "first": first, "second": second}),
+                  flush=True)
     finally:
         for tree in trees:
             remove(tree)
@@ -104,17 +109,19 @@ def main() -> int:
              f"warm (second). `draft_model=none`, 2 threads. lscpu: {lscpu_summary()}.")
     if args.cold:
         intro += (" The cold start ran first, with an empty cache: the C++ build, kernel "
-                  "tuning and the thread choice in it too.")
+                  "tuning and the thread choice in it too; then the start after an install "
+                  "that built the C++ (`make`, `specserve build`): the compiled extensions "
+                  "cached, tuning and the thread choice cold.")
 
-    def cell(r: dict) -> str:
-        return f"{r['wall_s']:.1f} ({r['build_s']:.1f})"
+    def cell(r: dict | None) -> str:
+        return "-" if r is None else f"{r['wall_s']:.1f} ({r['build_s']:.1f})"
 
-    head = ["commit", *(["cold start s"] if args.cold else []), "first start s",
-            "second start s", "RSS MB first / second"]
+    head = ["commit", *(["cold start s", "after install s"] if args.cold else []),
+            "first start s", "second start s", "RSS MB first / second"]
     body = md_table(head, [
-        [f"{label} {describe}", *([cell(c)] if args.cold else []), cell(a), cell(b),
+        [f"{label} {describe}", *([cell(c), cell(i)] if args.cold else []), cell(a), cell(b),
          f"{a['rss_mb']:.0f} / {b['rss_mb']:.0f}"]
-        for label, describe, c, a, b in rows])
+        for label, describe, c, i, a, b in rows])
     print("\n".join([intro, *body]))
     if not args.no_write:
         write_results_section("## Start time of a GGUF file, two commits", info, intro, body)
