@@ -124,7 +124,8 @@ def main() -> int:
         for label, describe, c, i, a, b in rows])
     print("\n".join([intro, *body]))
     if not args.no_write:
-        write_results_section("## Start time of a GGUF file, two commits", info, intro, body)
+        write_results_section(f"## Start time of a GGUF file, two commits, {Path(args.model).name}",
+                              info, intro, body)
     return 0
 
 
