@@ -217,23 +217,33 @@ def test_same_size_other_ids_runs_as_text_draft(pair, tmp_path):
 
 
 @pytest.mark.slow
-def test_sampled_distribution_equals_target(pair):
-    """The second token comes out of a verify step of text drafts (k = 1); its distribution
-    must equal the target's exact float64 marginal."""
+@pytest.mark.parametrize("method, rounds, seed", [("slem", 12, 5), ("tli", 6, 7)])
+def test_sampled_distribution_equals_target(pair, method, rounds, seed):
+    """The second token comes out of a verify step of text drafts (k = 1), drafted by string-
+    level exact match or by token-level intersection; its distribution must equal the target's
+    exact float64 marginal."""
     *_, hf, tok, _, _ = pair
     prompt = _prompts(tok)[0]
     temperature = 1.0
     expected = exact_second_token_distribution(hf, prompt, temperature)
     engine = _engine(pair, max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=3000,
-                     seed=5)
+                     seed=seed, cross_tokenizer_method=method)
+    proposer = engine.speculator.proposers["text_draft"]
+    calls: list[int] = []
+    real = proposer._draw_shared
+    proposer._draw_shared = lambda logits, jobs: calls.append(len(jobs)) or real(logits, jobs)
     params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
     counts = torch.zeros_like(expected)
     drafted = accepted = 0
-    for _ in range(12):
+    for _ in range(rounds):
         for o in engine.generate([prompt] * 250, params, SpeculativeParams("text_draft", 1)):
             counts[o.token_ids[1]] += 1
             drafted += o.timings.num_drafted
             accepted += o.timings.num_accepted
+    if method == "tli":  # most first verifies by TLI (the rest by SLEM: inside a character)
+        assert sum(calls) > counts.sum() / 2 and accepted < drafted, (accepted, drafted)
+    else:
+        assert not calls
     assert drafted > counts.sum() / 2 and accepted > 0
     chi2, bound = chi_square(counts, expected)
     assert chi2 < bound, (chi2, bound)
@@ -365,35 +375,6 @@ def test_tli_q_is_the_drafts_processed_distribution_over_the_shared_tokens(pair,
                 (rows[0].double() - ref).abs().max())
             checked += 1
     assert checked > 5
-
-
-@pytest.mark.slow
-def test_sampled_distribution_equals_target_with_tli(pair):
-    """The second token comes out of a verify step of TLI drafts (k = 1): its distribution
-    must equal the target's exact float64 marginal."""
-    *_, hf, tok, _, _ = pair
-    prompt = _prompts(tok)[0]
-    temperature = 1.0
-    expected = exact_second_token_distribution(hf, prompt, temperature)
-    engine = _engine(pair, max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=3000,
-                     seed=7, cross_tokenizer_method="tli")
-    proposer = engine.speculator.proposers["text_draft"]
-    params = SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True)
-    counts = torch.zeros_like(expected)
-    drafted = accepted = 0
-    calls = []
-    real = proposer._draw_shared
-    proposer._draw_shared = lambda logits, jobs: calls.append(len(jobs)) or real(logits, jobs)
-    for _ in range(6):
-        for o in engine.generate([prompt] * 250, params, SpeculativeParams("text_draft", 1)):
-            counts[o.token_ids[1]] += 1
-            drafted += o.timings.num_drafted
-            accepted += o.timings.num_accepted
-    # most first verifies drafted by TLI (the rest by SLEM: a first token inside a character)
-    assert sum(calls) > counts.sum() / 2
-    assert drafted > counts.sum() / 2 and 0 < accepted < drafted, (accepted, drafted)
-    chi2, bound = chi_square(counts, expected)
-    assert chi2 < bound, (chi2, bound)
 
 
 def _inside_a_character(target_bytes: dict[int, bytes], ids) -> bool:
