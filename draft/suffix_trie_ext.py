@@ -34,7 +34,7 @@ def build_key() -> str:
     ).hexdigest()[:16]
 
 
-_LOAD_LOCK = threading.Lock()  # one build at a time (kernels/prebuild.py starts one early)
+_LOAD_LOCK = threading.Lock()  # one build at a time (specserve/engine/prebuild.py starts one early)
 
 
 def load() -> ModuleType:

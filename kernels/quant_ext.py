@@ -62,7 +62,7 @@ def build_key() -> str:
 
 
 # One build at a time in this process: an engine starts the build in a thread while its model
-# loads (kernels/prebuild.py), and the first layer that needs the kernels waits for it here.
+# loads (specserve/engine/prebuild.py), and the first layer that needs the kernels waits here.
 _LOAD_LOCK = threading.Lock()
 
 

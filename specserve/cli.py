@@ -258,7 +258,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     """Both extensions compiled side by side; exit 1 (with the reason logged) if one cannot be
     built here, as the engine then falls back to torch kernels or the Python trie."""
-    from specserve.kernels.prebuild import build_all
+    from specserve.engine.prebuild import build_all
 
     t0 = time.perf_counter()
     usable = build_all()

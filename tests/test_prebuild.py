@@ -1,5 +1,5 @@
-"""kernels/prebuild.py: the C++ extensions build side by side (`specserve build`, and an engine's
-first start while its files are read); a built machine only imports them."""
+"""specserve/engine/prebuild.py: the C++ extensions build side by side (`specserve build`, and
+an engine's first start while its files are read); a built machine only imports them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import threading
 import pytest
 
 from specserve.draft import suffix_trie_ext
-from specserve.kernels import prebuild, quant_ext
+from specserve.engine import prebuild
+from specserve.kernels import quant_ext
 
 
 def test_concurrent_loads_share_one_module():

@@ -30,10 +30,10 @@ from specserve.draft.registry import REGISTRY, ProposerRegistry
 from specserve.engine.assembly import build_parts
 from specserve.engine.output_processor import RequestState
 from specserve.engine.outputs import OutputMerger, RequestOutput
+from specserve.engine.prebuild import start_builds
 from specserve.engine.resolve import ModelFiles, resolve_config, resolve_device
 from specserve.engine.tokenizer import IncrementalDetokenizer, apply_chat_template
 from specserve.engine.tracing import NullTracer, Tracer
-from specserve.kernels.prebuild import start_builds
 from specserve.spec.grammar import GrammarState
 from specserve.spec.grammar_compiler import GrammarCompiler
 from specserve.spec.speculator import Drafts, Verified
