@@ -5,8 +5,8 @@ It cannot share the target's block table (the same text is a different number of
 it), so its ``ModelRunner`` gets a pool of its own with as many blocks as the target's; the
 resolver sizes the memory budget for both (``kv_bytes_per_block``). ``TextDraftProposer``
 hands the blocks out per sequence. The KV is allocated when the draft first runs. The tokens
-both vocabularies share (``VocabIntersection``) are found once here, for token-level
-intersection drafting.
+both vocabularies share (``VocabIntersection``, for token-level intersection drafting) are
+found when a request first drafts that way.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ class TextDraftSource:
 
     def build(self, target: DraftTarget) -> LoadedDraft:
         from specserve.draft.text_draft import TextDraft
-        from specserve.draft.vocab_intersection import VocabIntersection
         from specserve.target.loader import build_model
         from specserve.target.model_runner import ModelRunner
         from specserve.target.quantize import quantize_model
@@ -78,11 +77,9 @@ class TextDraftSource:
                              block_size=target.block_size, dtype=target.dtype,
                              device=target.device, attn_backend=draft_backend(target),
                              lazy_kv=True)
-        shared = VocabIntersection.of(tokenizer, target.tokenizer, config.vocab_size,
-                                      target.config.vocab_size)
         draft = TextDraft(runner, tokenizer, target.tokenizer,
-                          frozenset(config.eos_token_ids) | _tokenizer_eos(tokenizer), shared,
-                          target.config.vocab_size)
+                          frozenset(config.eos_token_ids) | _tokenizer_eos(tokenizer),
+                          config.vocab_size, target.config.vocab_size)
         return LoadedDraft(self.kind, draft, model, "text_draft", traced=model)
 
 
