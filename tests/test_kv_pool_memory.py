@@ -39,16 +39,29 @@ def test_untouched_blocks_are_not_resident():
 
 def test_the_rss_benchmark_finds_the_pool_and_its_resident_pages():
     """benchmarks/server_rss.py splits a server's RSS into the pool's resident pages and the rest,
-    by the pool's mapping in /proc/PID/smaps: here, this process's own pool."""
+    by the pool's mapping in /proc/PID/smaps: here, a fresh process's own pool (as a server's
+    is; in this test process another mapping of the pool's size, touched, may be alive from an
+    earlier test, and the benchmark then reads that one)."""
+    import json
     import os
+    import subprocess
+    import sys
 
-    from benchmarks.server_rss import kv_resident_mb
-
-    shape = (8, 2, 1000, 16, 2, 64)  # 131 MB of float32: a mapping of its own
-    pool = zeroed_pool(shape, torch.float32, torch.device("cpu"))
-    nbytes = pool.numel() * 4
-    untouched = kv_resident_mb(os.getpid(), nbytes)
+    root = Path(__file__).resolve().parents[1]
+    script = """
+import json, os, sys, torch
+from benchmarks.server_rss import kv_resident_mb
+from specserve.target.model_runner import zeroed_pool
+shape = (8, 2, 1000, 16, 2, 64)  # 131 MB of float32: a mapping of its own
+pool = zeroed_pool(shape, torch.float32, torch.device("cpu"))
+nbytes = pool.numel() * 4
+untouched = kv_resident_mb(os.getpid(), nbytes)
+pool[3] = 2.0  # one layer's keys and values: 16.4 MB (+ up to two 2 MB huge pages' edges)
+print(json.dumps([untouched, kv_resident_mb(os.getpid(), nbytes)]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    untouched, touched = json.loads(out.stdout.strip().splitlines()[-1])
     assert untouched is not None and untouched < 16
-    pool[3] = 2.0  # one layer's keys and values: 16.4 MB (+ up to two 2 MB huge pages' edges)
-    touched = kv_resident_mb(os.getpid(), nbytes)
     assert 16.3 <= touched - untouched <= 16.4 + 4.2, (untouched, touched)
