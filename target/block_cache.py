@@ -32,7 +32,7 @@ from specserve.target.model import CausalLM
 
 log = logging.getLogger(__name__)
 
-_PLANES = ("qs", "d", "m", "bias", "qs5")
+_PLANES = ("qs", "d", "m", "bias")
 
 
 def _file(gguf_path: Path) -> Path:
