@@ -160,7 +160,13 @@ def _half_exact(t: torch.Tensor) -> torch.Tensor:
 LANES = 8  # output features interleaved per group in the kernel's layout (kernels/csrc/qgemm.cpp)
 # The version of ``pack``'s layout: cached planes (target/block_cache.py) are kept under it, so
 # change it whenever ``pack`` (or the kernels' reading of its planes) changes.
-PACKED_LAYOUT = "1"
+PACKED_LAYOUT = "2"
+# A kernel argument's bit (above block_linear's) that runs a layer's five-bit planes (``qs5``)
+P5_FORM = 1 << 10
+# Five-bit forms are candidates up to this many rows: one row waits on memory, where 5.5 bits
+# a weight beat 8.5 (Qwen2.5-0.5B's projections, Zen 3: 1.16x at 1 row, 1.20x at 2); from 4 rows
+# the unpack, shared by fewer rows than its cost, made them 0.90-0.94x (up to 17 rows).
+P5_MAX_ROWS = 4
 
 
 def pack(weight: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -195,6 +201,21 @@ def pack(weight: BlockQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     qs = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 1, 3, 2, 4).reshape(g, kb, 128)
     assert m is not None
     return qs.to(torch.uint8).contiguous(), lanes(d), lanes(m)
+
+
+def pack_five_bit(qs: torch.Tensor) -> torch.Tensor | None:
+    """Q8_0's int8 planes [G, KB, 256] -> the five-bit planes [G, KB, 160] of u = q + 16
+    (qgemm.cpp's P5 layout), or None when a code lies outside -16..15 (code class 2: Q5_0's).
+    Vector v < 4, byte 4c+t: vector v's u low, vector v + 4's u high (4 bits each, Q4_1's
+    order); then byte 4c+t holds bit 4 of vector j's u at bit j."""
+    if code_class(qs) != 2:
+        return None
+    g, kb, _ = qs.shape
+    u = (qs.to(torch.int16) + 16).view(g, kb, 8, 32)  # vector v, byte 4c+t
+    nib = (u[:, :, :4] & 0x0F) | ((u[:, :, 4:] & 0x0F) << 4)  # [G, KB, 4, 32]
+    weights = (1 << torch.arange(8, dtype=torch.int16)).view(1, 1, 8, 1)
+    fifth = (((u >> 4) & 1) * weights).sum(2)  # [G, KB, 32]
+    return torch.cat([nib.reshape(g, kb, 128), fifth], dim=2).to(torch.uint8).contiguous()
 
 
 def _interleave_q8(codes: torch.Tensor) -> torch.Tensor:
@@ -262,20 +283,27 @@ class BlockQuantLinear(nn.Module):
     buffers in the kernel's layout (``pack``: 8 features interleaved, N padded to a multiple of
     8), so ``.to()`` and ``state_dict`` see them; ``weight`` gives the file's layout back."""
 
-    def __init__(self, weight: BlockQuantWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: BlockQuantWeight, bias: torch.Tensor | None = None,
+                 five_bit: bool | None = None) -> None:
+        """``five_bit``: also hold Q5_0's codes five bits a weight (``pack_five_bit``), for the
+        tuner's five-bit forms; None: where the C++ kernels run."""
         super().__init__()
         qs, d, m = pack(weight)
         if bias is not None:  # padded like the planes: the kernel adds 8 features at a time
             bias = bias.to(torch.float32)
             bias = torch.cat([bias, bias.new_zeros(qs.shape[0] * LANES - bias.numel())])
-        self._setup(weight.fmt, *weight.shape, (qs, d, m, bias))
+        if five_bit is None:
+            five_bit = quant_ext.available()
+        qs5 = pack_five_bit(qs) if five_bit and weight.fmt == "q8_0" else None
+        self._setup(weight.fmt, *weight.shape, (qs, d, m, bias, qs5))
 
     @classmethod
     def from_packed(cls, fmt: str, out_features: int, in_features: int,
                     planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                  torch.Tensor | None]) -> BlockQuantLinear:
-        """A layer from planes already in the kernel's layout (``planes``: qs, d, m, bias as
-        this class's buffers hold them), as a cache of built layers stores them."""
+                                  torch.Tensor | None, torch.Tensor | None]
+                  ) -> BlockQuantLinear:
+        """A layer from planes already in the kernel's layout (``planes``: qs, d, m, bias,
+        qs5 as this class's buffers hold them), as a cache of built layers stores them."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._setup(fmt, out_features, in_features, planes)
@@ -284,7 +312,10 @@ class BlockQuantLinear(nn.Module):
     def _setup(self, fmt: str, out_features: int, in_features: int, planes: tuple) -> None:
         self.fmt = fmt
         self.out_features, self.in_features = out_features, in_features
-        for name, plane in zip(("qs", "d", "m", "bias"), planes, strict=True):
+        # qs5: the codes again as five-bit planes (or None), read by the P5_FORM kernels only:
+        # a 1-row step reads 35% fewer bytes of the layer, a verify's rows share int8 codes'
+        # cheaper unpack; the tuner picks per row count.
+        for name, plane in zip(("qs", "d", "m", "bias", "qs5"), planes, strict=True):
             self.register_buffer(name, plane)
         # Kernel per row count ("<isa>/<rows sharing each unpacked weight block>"): numerically
         # irrelevant (every form gives the same bits, batch-invariant), so the tuner
@@ -294,6 +325,7 @@ class BlockQuantLinear(nn.Module):
         self._ext = quant_ext.load() if quant_ext.available() else None
         self._planes = self._plain_planes()
         self._class_bits = 256 * code_class(self.qs)  # or'ed into every kernel argument
+        assert self.qs5 is None or self._class_bits == 512, "five-bit planes hold class 2"
 
     def _plain_planes(self) -> tuple:
         """The buffers as plain attributes: a decode step makes 121 of these calls, and reading
@@ -309,6 +341,11 @@ class BlockQuantLinear(nn.Module):
     def weight(self) -> BlockQuantWeight:
         """The weight in the file's layout (unpacked on each call: for tests and fallbacks)."""
         return unpack(self.fmt, self.out_features, self.qs, self.d, self.m)
+
+    @property
+    def five_bit(self) -> bool:
+        """True when the layer also holds five-bit planes (the P5_FORM kernels' operands)."""
+        return self.qs5 is not None
 
     @property
     def padded(self) -> bool:
@@ -342,7 +379,8 @@ class BlockQuantLinear(nn.Module):
         if ext is not None and x.device.type == "cpu":
             if x.dtype != torch.float32 or not x.is_contiguous():
                 x = x.to(torch.float32).contiguous()
-            y = ext.block_linear(x, *self._planes, kernel | self._class_bits)  # any format
+            # kernel | P5_FORM reads qs5 instead of qs: the same bits, fewer bytes
+            y = ext.block_linear(x, *self._planes, kernel | self._class_bits, self.qs5)
             return y[:, : self.out_features].contiguous() if self.padded else y
         if self._dense is None or self._dense.device != x.device:
             self._dense = self.weight.dequantize().to(x.device)

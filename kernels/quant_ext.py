@@ -114,7 +114,8 @@ def available() -> bool:
 ISAS = ("avx2", "avxvnni", "avx512vnni")
 # Rows per pass each form takes: 16 (16 at a time, the rest in one pass) needs AVX-512's 32
 # vector registers for 16 rows' accumulators beside a block's codes.
-ROWS_PER_PASS = {"avx2": (1, 2, 4, 8), "avxvnni": (1, 2, 4, 8), "avx512vnni": (1, 2, 4, 8, 16)}
+ROWS_PER_PASS = {"avx2": (1, 2, 4, 8), "avxvnni": (1, 2, 4, 8), "avx512vnni": (1, 2, 4, 8, 16),
+                 "avx2p5": (1, 2, 4, 8)}
 
 
 @functools.cache
@@ -126,9 +127,18 @@ def supported_isas() -> tuple[str, ...]:
     return tuple(name for i, name in enumerate(ISAS) if ext.block_isa_supported(i))
 
 
+# The AVX2 form on a layer's five-bit planes (kernels/quant.py's P5_FORM bit), a tuner candidate
+# of the layers that hold them.
+FIVE_BIT = "avx2p5"
+
+
 def kernel_code(name: str) -> int:
-    """``"<isa>/<rows per pass>"`` (a tuner candidate) -> block_linear's kernel argument."""
+    """``"<isa>/<rows per pass>"`` (a tuner candidate) -> block_linear's kernel argument;
+    ``"avx2p5/<rows>"``: the AVX2 form on the layer's five-bit planes (bit 1 << 10, which the
+    layer strips)."""
     isa, _, rows = name.partition("/")
+    if isa == FIVE_BIT:
+        return (1 << 10) | kernel_code(f"avx2/{rows}")
     if isa not in ISAS or not rows.isdigit() or int(rows) not in ROWS_PER_PASS[isa]:
         forms = ", ".join(f"{i}/<{'|'.join(map(str, r))}>" for i, r in ROWS_PER_PASS.items())
         raise ValueError(f"unknown block kernel {name!r}: expected one of {forms}")

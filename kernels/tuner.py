@@ -65,7 +65,7 @@ from torch import nn
 
 from specserve.kernels import quant_ext
 from specserve.kernels.linear import DENSE_KERNELS, DenseLinear, RowPlan
-from specserve.kernels.quant import BlockQuantLinear
+from specserve.kernels.quant import P5_MAX_ROWS, BlockQuantLinear
 from specserve.kernels.tune_table import FORMAT, GroupResult, ShapeStore, TuneTable
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,8 @@ def _signature(module: nn.Module) -> str | None:
     if isinstance(module, BlockQuantLinear):
         if not module.has_kernel or not quant_ext.supported_isas():
             return None
-        return f"block:{module.fmt}:{module.out_features}x{module.in_features}"
+        fmt = f"{module.fmt}+p5" if module.five_bit else module.fmt  # more candidates
+        return f"block:{fmt}:{module.out_features}x{module.in_features}"
     if isinstance(module, DenseLinear):
         n, k = module.weight.shape
         return f"dense:{str(module.weight.dtype).removeprefix('torch.')}:{n}x{k}"
@@ -183,6 +184,8 @@ def _candidates(module: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], ob
     if isinstance(module, BlockQuantLinear):
         # Q8_F has one instruction sequence (AVX2; the other forms' codes run it too)
         isas = ("avx2",) if module.fmt == "q8_f" else quant_ext.supported_isas()
+        if module.five_bit and x.shape[0] <= P5_MAX_ROWS:
+            isas = (*isas, quant_ext.FIVE_BIT)
         codes = {f"{isa}/{r}": quant_ext.kernel_code(f"{isa}/{r}")
                  for isa in isas for r in quant_ext.ROWS_PER_PASS[isa]}
         return {n: (lambda c=c: module.run(x, c)) for n, c in codes.items()}

@@ -32,7 +32,7 @@ from specserve.target.model import CausalLM
 
 log = logging.getLogger(__name__)
 
-_PLANES = ("qs", "d", "m", "bias")
+_PLANES = ("qs", "d", "m", "bias", "qs5")
 
 
 def _file(gguf_path: Path) -> Path:

@@ -207,8 +207,10 @@ class DecoderLayer(nn.Module):
                 attn = self.self_attn
                 rows = h.shape[0]
                 rpp = [p.kernel(rows) for p in whole[1]]
+                ln1, ln2, eps, *planes = whole[0]
                 self.fused.decoder_layer_(
-                    h, *whole[0], rpp, rope[0], rope[1], attn.num_heads, attn.num_kv_heads,
+                    h, ln1, ln2, eps, planes, rpp, rope[0], rope[1], attn.num_heads,
+                    attn.num_kv_heads,
                     attn.head_dim, kv_cache[0], kv_cache[1], meta.block_tables, whole[2].seq_of,
                     whole[2].pos_of, meta.slot_mapping, attn.scale, attn.sliding_window or 0,
                     backend.form,
@@ -264,7 +266,9 @@ class DecoderLayer(nn.Module):
                 and all(isinstance(p, BlockQuantLinear) and p.has_kernel and not p.padded
                         for p in projections)
             )
-            planes = [t for p in projections for t in p.planes] if runs_whole else []
+            # (qs, d, m, bias, qs5) per projection, as fused.cpp's projections_of takes them
+            planes = ([t for p in projections for t in (*p.planes, p.qs5)] if runs_whole
+                      else [])
             self._layer_args = (
                 ((ln1.weight, ln2.weight, ln1.eps, *planes), projections) if runs_whole else ()
             )

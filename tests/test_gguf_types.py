@@ -123,7 +123,7 @@ def test_code_class_forms_equal_the_sign_form_bit_for_bit(type_name):
     16-bit sums of pair products) gives the sign form's bits, since both integer dots are exact."""
     n, k = 200, 512
     w = from_gguf_blocks(type_name, random_blocks(type_name, n, k, 11), (n, k))
-    lin = BlockQuantLinear(w, torch.randn(n))
+    lin = BlockQuantLinear(w, torch.randn(n), five_bit=False)  # int8 codes run every class
     cls = code_class(lin.qs)
     assert cls == EXPECTED_CLASS[type_name]
     x = torch.randn(17, k, generator=torch.Generator().manual_seed(12))
@@ -134,6 +134,33 @@ def test_code_class_forms_equal_the_sign_form_bit_for_bit(type_name):
                     sign = ext.block_linear(x[:rows], *lin.planes, code)
                     offset = ext.block_linear(x[:rows], *lin.planes, code | 256 * cls)
                     assert torch.equal(sign, offset), (threads, code, rows)
+
+
+def test_five_bit_codes_give_the_int8_codes_bits():
+    """Q5_0's codes held again five bits a weight (160 bytes a block of 8 features against 256):
+    the five-bit form gives the int8 forms' bits for every row count, rows per pass and thread
+    count; the whole-layer path picks them by the same kernel bit; codes outside -16..15 get
+    none; and the bit without five-bit planes is refused with the fix."""
+    n, k = 200, 512
+    w = from_gguf_blocks("Q5_0", random_blocks("Q5_0", n, k, 13), (n, k))
+    lin = BlockQuantLinear(w, torch.randn(n), five_bit=True)
+    assert lin.five_bit and code_class(lin.qs) == 2
+    assert lin.qs5.numel() * 256 == lin.qs.numel() * 160
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(14))
+    five = [quant_ext.kernel_code(f"{quant_ext.FIVE_BIT}/{r}") for r in (1, 2, 4, 8)]
+    for threads in (1, 2, 3):
+        with _threads(threads):
+            for code in five:
+                for rows in range(1, 18):
+                    ref = lin.run(x[:rows], quant_ext.kernel_code("avx2/1"))
+                    assert torch.equal(lin.run(x[:rows], code), ref), (threads, code, rows)
+    full = from_gguf_blocks("Q8_0", random_blocks("Q8_0", n, k, 15), (n, k))
+    assert not BlockQuantLinear(full, five_bit=True).five_bit
+    assert not BlockQuantLinear(w, five_bit=False).five_bit
+    with pytest.raises(RuntimeError, match="pass qs5"):
+        ext.block_linear(x[:1], *lin.planes, five[0] | 512)
+    with pytest.raises(RuntimeError, match="five-bit codes"):  # they hold class 2 only
+        ext.block_linear(x[:1], *lin.planes, five[0], lin.qs5)
 
 
 def test_code_class_holds_for_every_code():

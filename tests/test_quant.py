@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import quant_ext
-from specserve.kernels.quant import BlockQuantLinear, from_gguf_blocks, quantize
+from specserve.kernels.quant import BlockQuantLinear, BlockQuantWeight, from_gguf_blocks, quantize
 
 ext = quant_ext.load()  # make test installs the compiler toolchain; a build failure fails here
 
@@ -328,28 +328,35 @@ def test_gguf_tensor_shape_errors_name_the_fix():
         from_gguf_blocks("Q6_K", np.zeros((2, 210), np.uint8), (2, 32))
 
 
+def _prefill_decode_verify(cfg, model) -> torch.Tensor:
+    """Logits of two sequences' prefill, decode and verify steps through a fresh runner."""
+    from specserve.kernels.cpu_paged import CpuPagedAttention
+    from specserve.kernels.metadata import AttentionMetadata, token_positions
+    from specserve.target.model_runner import ModelRunner
+
+    runner = ModelRunner(cfg, model, num_blocks=8, block_size=4, dtype=torch.float32,
+                         device="cpu", attn_backend=CpuPagedAttention())
+    outs = []
+    for q_lens, ctx in (([6, 3], [6, 3]), ([1, 2], [7, 5]), ([3, 1], [8, 6])):
+        meta = AttentionMetadata.build(q_lens, ctx, [[0, 1], [2, 3]], 4)
+        ids = torch.arange(sum(q_lens)) + 5
+        outs.append(runner.forward(ids, token_positions(q_lens, ctx), meta)[0])
+    return torch.cat(outs)
+
+
 def test_whole_layer_call_equals_the_per_op_path(text_model, monkeypatch):
     """``DecoderStack`` (every layer in one C++ call), ``decoder_layer_`` (one C++ call per
     layer) and the per-op fused path of target/model.py compute exactly the same logits, bit
     for bit, prefill, decode and verify rows."""
     from specserve.kernels.cpu_paged import CpuPagedAttention
-    from specserve.kernels.metadata import AttentionMetadata, token_positions
     from specserve.target.loader import build_model
-    from specserve.target.model_runner import ModelRunner
     from specserve.target.quantize import quantize_model
 
     cfg, model = build_model(text_model, torch.float32, "cpu")
     quantize_model(model, "int4", text_model)
 
     def run() -> torch.Tensor:
-        runner = ModelRunner(cfg, model, num_blocks=8, block_size=4, dtype=torch.float32,
-                             device="cpu", attn_backend=CpuPagedAttention())
-        outs = []
-        for q_lens, ctx in (([6, 3], [6, 3]), ([1, 2], [7, 5]), ([3, 1], [8, 6])):
-            meta = AttentionMetadata.build(q_lens, ctx, [[0, 1], [2, 3]], 4)
-            ids = torch.arange(sum(q_lens)) + 5
-            outs.append(runner.forward(ids, token_positions(q_lens, ctx), meta)[0])
-        return torch.cat(outs)
+        return _prefill_decode_verify(cfg, model)
 
     stack = run()
     assert model._stack is not None and model._stack.num_layers() == len(model.layers)
@@ -361,6 +368,40 @@ def test_whole_layer_call_equals_the_per_op_path(text_model, monkeypatch):
         layer._layer_args = None
     per_op = run()
     assert torch.equal(whole, per_op)
+
+
+def test_five_bit_forms_in_the_whole_layer_calls_give_the_int8_bits(text_model):
+    """Projections with Q5_0-range codes held five bits a weight too: the decoder stack and the
+    per-layer C++ call run the five-bit planes where a layer's plan names ``avx2p5`` and give the
+    int8 forms' logits bit for bit (prefill, decode and verify rows)."""
+    from specserve.kernels.linear import RowPlan
+    from specserve.target.loader import build_model
+    from specserve.target.quantize import quantize_model
+
+    cfg, model = build_model(text_model, torch.float32, "cpu")
+    quantize_model(model, "int8", text_model)
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, BlockQuantLinear)]
+    for name, m in layers:  # Q5_0's range: every layer gets five-bit planes
+        w = m.weight
+        narrow = BlockQuantWeight("q8_0", w.qs.clamp(-16, 15), w.d, None)
+        bias = None if m.bias is None else m.bias[: m.out_features]
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr,
+                BlockQuantLinear(narrow, bias, five_bit=True))
+
+    def run(form: str, stack: bool) -> torch.Tensor:
+        model.use_decoder_stack, model._stack = stack, None
+        for layer in model.layers:
+            layer._layer_args = None
+        for m in model.modules():
+            if isinstance(m, BlockQuantLinear):
+                assert m.five_bit
+                m.rows_plan = RowPlan(form)
+        return _prefill_decode_verify(cfg, model)
+
+    wide = run("avx2/4", stack=True)
+    assert torch.equal(run(f"{quant_ext.FIVE_BIT}/4", stack=True), wide)
+    assert torch.equal(run(f"{quant_ext.FIVE_BIT}/1", stack=False), wide)
 
 
 @pytest.mark.e2e

@@ -14,7 +14,9 @@ far a kernel can still move a plain decode step.
 
 Where layers run a small-range code class (kernels/quant.py::code_class: Q5_0, Q5_1 and the
 K-quants), the AVX2 form also runs with every layer taken as class 0 (signed codes, the form
-before the classes), in the same interleaved rounds.
+before the classes), in the same interleaved rounds. Where layers hold five-bit codes too
+(Q5_0's, kernels/quant.py::pack_five_bit), ``avx2p5`` is the AVX2 form on those (the other
+layers in their int8 codes), a candidate the tuner times up to P5_MAX_ROWS rows.
 """
 
 from __future__ import annotations
@@ -107,8 +109,12 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     forms = quant_ext.supported_isas()
+    if any(m.five_bit for m in mods):
+        forms = (*forms, quant_ext.FIVE_BIT)
     weight_mb = sum(m.qs.numel() + 2 * (m.d.numel() + (m.m.numel() if m.m is not None else 0))
                     for m in mods) / 1e6
+    # bytes a pass of the avx2p5 form reads fewer (its layers' five-bit codes, not int8)
+    saved_mb = sum(m.qs.numel() - m.qs5.numel() for m in mods if m.five_bit) / 1e6
     headers = ["rows", *[f"{f} ms (rows per pass)" for f in forms]]
     if "avx2" in forms and len(forms) > 1:
         headers.append(f"avx2 / {forms[-1]}")
@@ -153,9 +159,12 @@ def main() -> int:
         f"parentheses. Every form gives the same bits"
         + (" (the code-class columns too: each layer in its own small-range class, or every "
            "layer as class 0, the signed-code form)" if classed else "")
+        + (f"; {quant_ext.FIVE_BIT} reads {saved_mb:.0f} MB fewer (five-bit codes)"
+           if saved_mb else "")
         + ". Memory bandwidth (torch sum over 256 MB): "
         f"{gb_s:.1f} GB/s, so one pass over the weights costs at least "
-        f"{weight_mb / gb_s:.2f} ms.",
+        f"{weight_mb / gb_s:.2f} ms"
+        + (f" ({(weight_mb - saved_mb) / gb_s:.2f} ms five-bit)" if saved_mb else "") + ".",
         lines)
     publish(heading, section, write=not args.no_write)
     return 0

@@ -1116,23 +1116,45 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                         const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& bias,
-                        int64_t kernel);  // qgemm.cpp (kernel = 32 * isa + rows per pass)
+                        int64_t kernel, const c10::optional<at::Tensor>& qs5);  // qgemm.cpp
+
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+// A block-quantized projection's planes: qs, d, m or None, bias or None, and the five-bit
+// codes or None (the kernels the tuner gave bit 1 << 10 read those instead of qs).
+struct Projection {
+  at::Tensor qs, d;
+  OptTensor m, b, q5;
+
+  at::Tensor operator()(const at::Tensor& x, int64_t kernel) const {
+    return block_linear(x, qs, d, m, b, kernel, q5);
+  }
+};
+
+constexpr size_t kPlanes = 5;  // per projection, in Projection's order
+
+// planes: kPlanes per projection, for qkv, o, gate_up, down in that order.
+std::vector<Projection> projections_of(const std::vector<OptTensor>& planes) {
+  TORCH_CHECK(planes.size() == 4 * kPlanes, "need ", 4 * kPlanes,
+              " planes (4 projections x (qs, d, m, bias, qs5)), got ", planes.size());
+  std::vector<Projection> out;
+  for (size_t i = 0; i < 4; ++i) {
+    const OptTensor* p = planes.data() + kPlanes * i;
+    TORCH_CHECK(p[0].has_value() && p[1].has_value(), "projection ", i,
+                ": qs and d are required");
+    out.push_back(Projection{*p[0], *p[1], p[2], p[3], p[4]});
+  }
+  return out;
+}
 
 // One whole decoder layer of a block-quantized Llama-family model, in place on the residual
 // stream h [T, hidden]: the same kernels, in the same order, as the Python path of
 // target/model.py (DecoderLayer with fused ops), without ~15 Python-level calls per layer.
-// Projection p is (qs, d, m or None, bias or None); rpp: the block_linear kernel (32 * isa +
-// rows per pass) for qkv, o, gate_up, down.
-void decoder_layer_(at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
-                    const at::Tensor& qkv_qs, const at::Tensor& qkv_d,
-                    const c10::optional<at::Tensor>& qkv_m,
-                    const c10::optional<at::Tensor>& qkv_b, const at::Tensor& o_qs,
-                    const at::Tensor& o_d, const c10::optional<at::Tensor>& o_m,
-                    const c10::optional<at::Tensor>& o_b, const at::Tensor& gu_qs,
-                    const at::Tensor& gu_d, const c10::optional<at::Tensor>& gu_m,
-                    const c10::optional<at::Tensor>& gu_b, const at::Tensor& dn_qs,
-                    const at::Tensor& dn_d, const c10::optional<at::Tensor>& dn_m,
-                    const c10::optional<at::Tensor>& dn_b, const std::vector<int64_t>& rpp,
+// ps: qkv, o, gate_up, down; rpp: their block_linear kernels.
+void layer_forward_(at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                    const Projection* ps, const std::vector<int64_t>& rpp,
                     const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH,
                     int64_t D, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& seq_of,
@@ -1140,7 +1162,7 @@ void decoder_layer_(at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2,
                     int64_t window, int64_t form) {
   TORCH_CHECK(rpp.size() == 4, "rpp needs 4 entries");
   const int64_t T = h.size(0);
-  at::Tensor qkv = block_linear(rms_norm(h, ln1, eps), qkv_qs, qkv_d, qkv_m, qkv_b, rpp[0]);
+  at::Tensor qkv = ps[0](rms_norm(h, ln1, eps), rpp[0]);
   rotary_qkv_(qkv, cos, sin, H, KVH, D);
   const at::Tensor k = qkv.narrow(1, H * D, KVH * D).view({T, KVH, D});
   const at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
@@ -1148,10 +1170,25 @@ void decoder_layer_(at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2,
   const at::Tensor q = copy_columns(qkv, 0, H * D).view({T, H, D});
   const at::Tensor o = paged_attention(q, k_cache, v_cache, block_tables, seq_of, pos_of, scale,
                                        window, form);
-  const at::Tensor a = block_linear(o.view({T, H * D}), o_qs, o_d, o_m, o_b, rpp[1]);
+  const at::Tensor a = ps[1](o.view({T, H * D}), rpp[1]);
   const at::Tensor x = add_rms_norm_(a, h, ln2, eps);
-  const at::Tensor gu = block_linear(x, gu_qs, gu_d, gu_m, gu_b, rpp[2]);
-  add_rows_(h, block_linear(silu_mul(gu), dn_qs, dn_d, dn_m, dn_b, rpp[3]));
+  const at::Tensor gu = ps[2](x, rpp[2]);
+  add_rows_(h, ps[3](silu_mul(gu), rpp[3]));
+}
+
+}  // namespace
+
+// layer_forward_ for one layer from Python; planes as projections_of takes them.
+void decoder_layer_(at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2, double eps,
+                    const std::vector<OptTensor>& planes, const std::vector<int64_t>& rpp,
+                    const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH,
+                    int64_t D, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& seq_of,
+                    const at::Tensor& pos_of, const at::Tensor& slot_mapping, double scale,
+                    int64_t window, int64_t form) {
+  const std::vector<Projection> ps = projections_of(planes);
+  layer_forward_(h, ln1, ln2, eps, ps.data(), rpp, cos, sin, H, KVH, D, k_cache, v_cache,
+                 block_tables, seq_of, pos_of, slot_mapping, scale, window, form);
 }
 
 // Every decoder layer of a model in one call per step. Thirty Python calls of decoder_layer_
@@ -1161,17 +1198,10 @@ void decoder_layer_(at::Tensor& h, const at::Tensor& ln1, const at::Tensor& ln2,
 // layer after layer: bit-identical to the per-layer calls (tests/test_quant.py).
 namespace {
 
-using OptTensor = c10::optional<at::Tensor>;
-
-struct Projection {
-  at::Tensor qs, d;
-  OptTensor m, b;
-};
-
 struct Layer {
   at::Tensor ln1, ln2;
   double eps;
-  Projection qkv, o, gate_up, down;
+  std::vector<Projection> ps;  // qkv, o, gate_up, down
   int64_t window;  // sliding window, 0 = none
 };
 
@@ -1181,20 +1211,10 @@ class DecoderStack {
   DecoderStack(int64_t H, int64_t KVH, int64_t D, double scale, int64_t form)
       : H_(H), KVH_(KVH), D_(D), scale_(scale), form_(form) {}
 
-  // planes: (qs, d, m, bias) of qkv, o, gate_up, down in that order: 16 entries.
+  // planes: as projections_of takes them.
   void add_layer(const at::Tensor& ln1, const at::Tensor& ln2, double eps,
                  const std::vector<OptTensor>& planes, int64_t window) {
-    TORCH_CHECK(planes.size() == 16, "add_layer needs 16 planes (4 projections x 4), got ",
-                planes.size());
-    Layer l{ln1, ln2, eps, {}, {}, {}, {}, window};
-    Projection* ps[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
-    for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK(planes[4 * i].has_value() && planes[4 * i + 1].has_value(),
-                  "projection ", i, ": qs and d are required");
-      *ps[i] = Projection{*planes[4 * i], *planes[4 * i + 1], planes[4 * i + 2],
-                          planes[4 * i + 3]};
-    }
-    layers_.push_back(std::move(l));
+    layers_.push_back(Layer{ln1, ln2, eps, projections_of(planes), window});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -1208,9 +1228,7 @@ class DecoderStack {
                 2 * layers_.size(), "), got ", kv.size());
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      decoder_layer_(h, l.ln1, l.ln2, l.eps, l.qkv.qs, l.qkv.d, l.qkv.m, l.qkv.b, l.o.qs, l.o.d,
-                     l.o.m, l.o.b, l.gate_up.qs, l.gate_up.d, l.gate_up.m, l.gate_up.b,
-                     l.down.qs, l.down.d, l.down.m, l.down.b, rpp, cos, sin, H_, KVH_, D_,
+      layer_forward_(h, l.ln1, l.ln2, l.eps, l.ps.data(), rpp, cos, sin, H_, KVH_, D_,
                      kv[2 * i], kv[2 * i + 1], block_tables, seq_of, pos_of, slot_mapping,
                      scale_, l.window, form_);
     }

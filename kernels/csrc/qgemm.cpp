@@ -173,7 +173,8 @@ inline void prefetch_at(const void* base, int64_t offset) {
 
 template <int BlockBytes>
 inline void prefetch_codes(const void* group, int64_t b) {
-  for (int l = 0; l < BlockBytes / 64; ++l)
+  // every line a block touches (a 160-byte block straddles 3 of them)
+  for (int l = 0; l < (BlockBytes + 63) / 64; ++l)
     prefetch_at(group, b * BlockBytes + kPrefetchBytes + 64 * l);
 }
 
@@ -249,6 +250,34 @@ inline void load_offset_codes(const int8_t* p, __m256i vo, __m256i* u) {
     u[v] = _mm256_add_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v)), vo);
 }
 
+// Five-bit codes ("P5", class 2 only: Q5_0's u = q + 16 in 0..31), 160 bytes per (group, block)
+// instead of 256: the low nibbles of u in Q4_1's layout (128 bytes: byte 4c+t of vector v holds
+// u[c][4v+t] low, u[c][16+4v+t] high), then 32 bytes of fifth bits, byte 4c+t holding bit 4 of
+// u[c][4j+t] at bit j for j = 0..7. A 1-row step reads 35% fewer bytes of these tensors; the
+// unpack (shift, mask, or per vector) is shared by the rows of a pass. The unpacked vectors are
+// the class-2 offset form's u exactly, so the dots, and the bits, are that form's.
+constexpr int64_t kP5Bytes = 160;
+
+inline void unpack_q5(const uint8_t* p, __m256i* u) {
+  const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  for (int v = 0; v < 4; ++v) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v));
+    u[v] = _mm256_and_si256(raw, low);
+    u[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+  }
+  // bit j of each byte to bit 4: a 16-bit shift by at most 4 keeps bit 4 of both bytes within
+  // its own byte, and the mask drops the rest
+  const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128));
+  u[0] = _mm256_or_si256(u[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
+  u[1] = _mm256_or_si256(u[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
+  u[2] = _mm256_or_si256(u[2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), bit4));
+  u[3] = _mm256_or_si256(u[3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), bit4));
+  u[4] = _mm256_or_si256(u[4], _mm256_and_si256(hb, bit4));
+  u[5] = _mm256_or_si256(u[5], _mm256_and_si256(_mm256_srli_epi16(hb, 1), bit4));
+  u[6] = _mm256_or_si256(u[6], _mm256_and_si256(_mm256_srli_epi16(hb, 2), bit4));
+  u[7] = _mm256_or_si256(u[7], _mm256_and_si256(_mm256_srli_epi16(hb, 3), bit4));
+}
+
 // One block of 8 interleaved features (byte 4c+t of vector v holds q[c][4v+t]) held for the
 // rows' dots: NS 0 the class-0 sign form, else class NS's offset form.
 template <int NS>
@@ -265,6 +294,8 @@ struct BlockCodes {
       load_offset_codes(p, vo, w);
     }
   }
+
+  void load_p5(const uint8_t* p) { unpack_q5(p, w); }  // NS 4, class 2: w holds u
 
   // Half h (codes 16h..16h+15, vectors 4h..4h+3) against row codes xb: the exact int32 dot per
   // feature, less off * sum(x) (the caller's, for NS > 0).
@@ -289,20 +320,25 @@ struct BlockCodes {
 
 // Q8_0 layout, 8 features interleaved: per (group, block) 256 bytes = 8 vectors and 8 float16
 // scales; acc += dot * (d * dx) per block. NS picks the code class's form (BlockCodes).
-template <int R, int NS>
+// P5: the five-bit layout (kP5Bytes a block; NS 4, off 16).
+template <int R, int NS, bool P5 = false>
 void q8_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const uint16_t* d,
               const int8_t* xq, const float* dx, const int32_t* xs, int off, int64_t K,
               __m256* out) {
+  constexpr int64_t kBytes = P5 ? kP5Bytes : 256;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const int8_t* qg = qs + g * KB * 256;
+  const int8_t* qg = qs + g * KB * kBytes;
   const uint16_t* dg = d + g * KB * 8;
   const __m256i vo = _mm256_set1_epi8(static_cast<char>(off));
   for (int64_t b = 0; b < KB; ++b) {
-    prefetch_codes<256>(qg, b);
-    prefetch_scales<256>(dg, b);
+    prefetch_codes<kBytes>(qg, b);
+    prefetch_scales<kBytes>(dg, b);
     BlockCodes<NS> c;
-    c.load(qg + b * 256, vo);
+    if constexpr (P5)
+      c.load_p5(reinterpret_cast<const uint8_t*>(qg + b * kBytes));
+    else
+      c.load(qg + b * 256, vo);
     const __m256 dv = load_half8(dg + b * 8);
     for (int r = 0; r < R; ++r) {
       const int64_t i = i0 + r;
@@ -612,6 +648,7 @@ struct Job {
   int64_t M, K, KB, N;
   int rows_per_pass;
   int code_class;
+  bool p5;  // five-bit codes (class 2): the AVX2 form runs them, whatever the kernel's isa
 };
 
 // Each ISA's pass: rows i..i+R-1 of group g (of groups g, g + 1 for AVX-512), bias added, stored.
@@ -623,6 +660,8 @@ void avx2_pass(const Job& j, int64_t g, int64_t i) {
   if (j.m != nullptr)
     q4_group<R>(g, i, j.KB, static_cast<const uint8_t*>(j.qs), j.d, j.m, j.xq, j.dx, j.sx, j.K,
                 out);
+  else if (j.p5)
+    q8_group<R, 4, true>(g, i, j.KB, q8, j.d, j.xq, j.dx, j.xs, 16, j.K, out);
   else if (j.code_class == 0)
     q8_group<R, 0>(g, i, j.KB, q8, j.d, j.xq, j.dx, j.xs, 0, j.K, out);
   else if (j.code_class == 3)
@@ -756,9 +795,15 @@ at::Tensor scaled_block_linear(const at::Tensor& x, const at::Tensor& qs, const 
 // the planes); class 0 holds for any codes. Q8_F planes (float32 scales
 // [G, KB, 2, 8]) go to scaled_block_linear, so every caller (the whole-layer path of fused.cpp
 // too) runs any format through this one entry.
-at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+// kernel | (1 << 10): run qs5, the layer's five-bit planes, instead of qs (the same numbers).
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs_int8, const at::Tensor& d,
                         const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& bias,
-                        int64_t kernel) {
+                        int64_t kernel, const c10::optional<at::Tensor>& qs5) {
+  constexpr int64_t kFiveBit = 1 << 10;
+  TORCH_CHECK(!(kernel & kFiveBit) || qs5.has_value(),
+              "kernel bit 1 << 10 runs five-bit planes: pass qs5 (kernels/quant.py)");
+  const at::Tensor& qs = (kernel & kFiveBit) ? *qs5 : qs_int8;
+  kernel &= ~kFiveBit;
   if (d.scalar_type() == at::kFloat && d.dim() == 4)
     return scaled_block_linear(x, qs, d, m, bias, kernel);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -766,9 +811,12 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   const bool q4 = m.has_value();
   const int64_t M = x.size(0), K = x.size(1), G = qs.size(0), KB = qs.size(1), N = 8 * G;
   TORCH_CHECK(K == KB * QK, "x has ", K, " columns, the weight has ", KB, " blocks of 32");
-  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == (q4 ? 128 : 256) && qs.is_contiguous(),
-              "packed weight must be [N / 8, K / 32, ", q4 ? 128 : 256,
+  const bool p5 = !q4 && qs.dim() == 3 && qs.size(2) == kP5Bytes;
+  TORCH_CHECK(qs.dim() == 3 && (qs.size(2) == (q4 ? 128 : 256) || p5) && qs.is_contiguous(),
+              "packed weight must be [N / 8, K / 32, ", q4 ? "128" : "256 or 160",
               "] (kernels/quant.py pack)");
+  TORCH_CHECK(!p5 || kernel / 256 == 2, "five-bit codes ([N / 8, K / 32, 160]) are code "
+              "class 2 (kernel / 256 == 2), got class ", kernel / 256);
   TORCH_CHECK(d.sizes() == at::IntArrayRef({G, KB, 8}) && d.is_contiguous() &&
                   d.scalar_type() == at::kHalf,
               "scales must be float16 [N / 8, K / 32, 8]");
@@ -802,20 +850,21 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
                 KB,
                 N,
                 static_cast<int>(rows_per_pass),
-                q4 ? 0 : static_cast<int>(code_class)};
+                q4 ? 0 : static_cast<int>(code_class),
+                p5};
   // Split over groups of 8 output features only: a row's sums never depend on the thread split.
   // A few chunks a thread (the policy's chunks per thread), claimed as threads come free
   // (kernels/csrc/pool.h); under the openmp policy one static piece a thread, as before.
   const int64_t cuts = specserve::pool::team_size() *
                        (specserve::pool::dynamic() ? specserve::pool::chunks_per_thread() : 4);
-  if (isa == kAvx512Vnni) {
+  if (isa == kAvx512Vnni && !p5) {
     const int64_t pairs = (G + 1) / 2;
     specserve::pool::parallel_for(0, pairs, std::max<int64_t>(1, pairs / cuts),
                                   [&](int64_t p0, int64_t p1) { run_avx512(job, G, p0, p1); });
   } else {
     const int64_t chunk = std::max<int64_t>(2, G / cuts);
     specserve::pool::parallel_for(0, G, chunk, [&](int64_t g0, int64_t g1) {
-      if (isa == kAvxVnni)
+      if (isa == kAvxVnni && !p5)
         run_vnni(job, g0, g1);
       else
         run_avx2(job, g0, g1);
@@ -877,7 +926,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   register_pool(mod);
   mod.def("block_linear", &block_linear,
           "y = x @ W^T for Q4_1 (m given), Q8_0 (m None) or Q8_F (float32 scales) block "
-          "weights, int8 activations; kernel = 32 * isa + rows per pass");
+          "weights, int8 activations; kernel = 256 * code class + 32 * isa + rows per pass, "
+          "| 1 << 10 to run qs5 (five-bit codes) instead of qs",
+          pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("d"), pybind11::arg("m"),
+          pybind11::arg("bias"), pybind11::arg("kernel"), pybind11::arg("qs5") = pybind11::none());
   mod.def("scaled_block_linear", &scaled_block_linear,
           "y = x @ W^T for Q8_F block weights (int8 codes, float32 half-block scales, optional "
           "float32 mins), int8 activations; kernel as block_linear's");
