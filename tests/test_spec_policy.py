@@ -72,3 +72,62 @@ def test_batch_of_64_choice_matches_a_full_recount():
         for k in {ks[c.key] - 1, ks[c.key] + 1, 0}:
             if 0 <= k <= c.k_max and k != ks[c.key]:
                 assert goodput({**ks, c.key: k}) <= best * 1.0001 + 1e-9
+
+
+def _run_batch_of_one(policy: SpeculationPolicy, step_seconds, rate: float, steps: int
+                      ) -> list[int]:
+    """``steps`` decisions for one sequence drafting up to 4 tokens at acceptance ``rate``,
+    each step recorded at ``step_seconds(tokens fed)``: the k chosen at each."""
+    ks = []
+    for _ in range(steps):
+        k = policy.choose([Candidate(0, 4, rate, False)], 0)[0]
+        policy.record_target(1 + k, step_seconds(1 + k))
+        ks.append(k)
+    return ks
+
+
+def _overpriced_table(n: int) -> float:
+    """Tuner prices like a noisy table of the 0.5B file: 2 rows 1.56x one, 5 rows 2.38x."""
+    return {1: 0.0241, 2: 0.0378, 3: 0.0481, 4: 0.0529, 5: 0.0576}[n]
+
+
+def test_policy_measures_a_step_size_the_kernel_table_overprices():
+    """Real steps: 2 rows 1.04x one, 5 rows 1.69x (the engine's own on that file). Drafts
+    accepted at 0.5 pay there (1.5 tokens for 1.04x a step), but not at the table's prices, so a policy that only trusted
+    the table would keep k = 0 and never see otherwise; it tries the sizes it has not measured
+    and, once they are, drafts on every step."""
+    real = {1: 0.0208, 2: 0.0217, 3: 0.0257, 4: 0.0260, 5: 0.0352}
+    policy = SpeculationPolicy(projection_seconds=_overpriced_table)
+    for _ in range(3):
+        policy.record_target(1, real[1])
+    ks = _run_batch_of_one(policy, real.__getitem__, 0.5, 200)
+    assert ks[0] == 0  # the premise: at the table's prices drafting does not pay
+    assert all(k > 0 for k in ks[-50:])
+    best = max(range(5), key=lambda k: expected_tokens(0.5, k) / real[1 + k])
+    assert ks[-1] == best
+
+
+def test_policy_stops_drafting_once_the_sizes_it_tried_measure_as_dear():
+    """Steps really as dear as the table says (each row 0.7 of a step): the tries measure it,
+    then the policy stays at k = 0 (acceptance 0.6: 1.6 tokens for 1.7x a step's time)."""
+    def dear(n: int) -> float:
+        return 0.0208 * (1 + 0.7 * (n - 1))
+
+    policy = SpeculationPolicy(projection_seconds=_overpriced_table)
+    for _ in range(3):
+        policy.record_target(1, dear(1))
+    ks = _run_batch_of_one(policy, dear, 0.6, 200)
+    assert any(k > 0 for k in ks[:100])  # tried: at half the table's extra cost it would pay
+    assert all(k == 0 for k in ks[-100:])
+
+
+def test_policy_does_not_try_a_step_size_past_a_cliff_in_the_table():
+    """32 decoders; the table shows 33+ rows costing 20x a row before: no decision tries it."""
+    def table(n: int) -> float:
+        return 0.040 + (0.0002 * n if n <= 32 else 0.0002 * 32 + 0.004 * (n - 32))
+
+    policy = SpeculationPolicy(projection_seconds=table)
+    for _ in range(3):
+        policy.record_target(32, table(32) + 0.010)
+    cands = [Candidate(i, 4, 0.9, False) for i in range(32)]
+    assert all(k == 0 for _ in range(40) for k in policy.choose(cands, 0).values())

@@ -28,6 +28,18 @@ draft (n-gram, suffix) is priced token by token instead (``Candidate.expected_by
 match length, proposer probability and position, shifted by the sequence's rate
 (specserve/spec/acceptance_model.py); geometric pricing from ``a`` alone cut a 16-token match like a
 one-token one.
+
+A count not measured yet is priced from the kernel tuner's table, and that table is a guide, not a
+measurement of the step: on the 0.5B file (2-core Zen 3) two tuning runs priced 2 rows at 1.56x and
+1.00x one row, 5 rows at 2.38x and 1.37x, where the engine's own steps took 1.04x and 1.69x. Priced
+above its cost, a draft length is never chosen, so it is never measured, so its price never
+corrects: with the 1.56x table suffix decoding drafted 1 token in two 128-token answers, one a
+rewrite whose fixed 4-token drafts were all accepted (2.1x plain). So every ``_EXPLORE_EVERY``-th
+decision may try a common draft length whose step size has no measurement yet, where that would pay
+even if the table overstated the extra rows' cost by 2x (``_StepCost.optimistic``) and where the
+table itself puts the loss under 20%; three such steps measure the size, and from then on the
+measurement prices it. A cliff the table shows (rows past a kernel's tile costing many times the
+ones before) stays above what a draft returns at half its price, so it is not tried.
 """
 
 from __future__ import annotations
@@ -46,6 +58,12 @@ _PRIOR_RATE = 0.6  # acceptance assumed for a method before (and long after) any
 # Per idle sequence-step: a method's global evidence halves in ~35 steps at k = 0 (well under
 # a second of decoding), so it is tried again; each try brings fresh evidence.
 _GLOBAL_RELAX = 0.98
+# Decisions between tries of an unmeasured step size (a try costs at most the extra rows of one
+# step; ~3 per size over a run's first hundreds of steps)
+_EXPLORE_EVERY = 8
+# ... and only where the table itself prices the try at no more than this fraction below the
+# best choice: a batch of 8 drafting into a steep part of the table would cost ~2x its step
+_EXPLORE_FLOOR = 0.8
 
 
 class _LinearCost:
@@ -128,6 +146,9 @@ class _StepCost:
         self._stale.clear()
         return self._median
 
+    def measured(self, units: int) -> bool:
+        return units in self.median
+
     def _prior(self, units: int) -> float | None:
         """The tuner's table is fixed once the engine runs: read each count once."""
         if units not in self._prior_seen:
@@ -140,6 +161,19 @@ class _StepCost:
         if price is None:
             price = self._priced[units] = self._price(units)
         return price
+
+    def optimistic(self, units: int) -> float:
+        """The price of a count not measured yet, trusting what the table (or the fit) adds
+        over the largest measured count below it only by half; a measured count's own."""
+        price = self(units)
+        median = self.median
+        if units in median:
+            return price
+        below = [c for c in median if c < units]
+        if not below:
+            return price
+        floor = median[max(below)]
+        return max(floor, floor + (price - floor) / 2)
 
     def _price(self, units: int) -> float:
         measured = self.median.get(units)
@@ -237,6 +271,7 @@ class SpeculationPolicy:
         self.acceptance = AcceptanceModel()  # per-token hazards of model-free drafts
         # seq id -> method -> its acceptance (a sequence under `auto` tries several methods)
         self.seq_stats: dict[int, dict[str, AcceptanceStats]] = {}
+        self._decisions = 0  # choices made (every _EXPLORE_EVERY-th may try a new step size)
 
     # ---- measurements -------------------------------------------------------------------
 
@@ -292,6 +327,7 @@ class SpeculationPolicy:
         ``num_other_decodes``: sequences decoding one token in it without drafts."""
         if not self.adaptive:
             return {c.key: c.k_max for c in candidates}
+        self._decisions += 1
         ks = self._model_choice(candidates, num_other_tokens, num_other_decodes)
         for c in candidates:
             if ks[c.key] == 0:
@@ -324,6 +360,10 @@ class SpeculationPolicy:
             value = totals(ks).value()
             if value > best * 1.0001:
                 best, best_ks = value, ks
+        if self._decisions % _EXPLORE_EVERY == 0:
+            trial = self._worth_measuring(candidates, totals, best, k_top)
+            if trial is not None:
+                return trial
         step = totals(best_ks)
         # 2. Drop whole drafts that do not pay: a proposer's host time is paid once a sequence
         # drafts at all, so one token less may not pay where no draft at all does.
@@ -351,6 +391,26 @@ class SpeculationPolicy:
         return step.ks
 
 
+    def _worth_measuring(self, candidates: list[Candidate],
+                         totals: Callable[[dict[int, int]], _StepTotals], best: float,
+                         k_top: int) -> dict[int, int] | None:
+        """The common k whose step size has no measurement yet, that beats ``best`` at its
+        optimistic price and loses at most ``1 - _EXPLORE_FLOOR`` of it at the table's (the
+        most promising one), or None."""
+        trial, trial_value = None, best * 1.0001
+        for level in range(1, k_top + 1):
+            ks = {c.key: min(level, c.k_max) for c in candidates}
+            step = totals(ks)
+            if self.target_cost.measured(step.tokens):
+                continue
+            if step.value() < _EXPLORE_FLOOR * best:
+                continue
+            value = step.value(optimistic=True)
+            if value > trial_value:
+                trial, trial_value = ks, value
+        return trial
+
+
 class _StepTotals:
     """One choice of ks and the step's sums under it: expected tokens, tokens fed, proposer host
     time, draft-model sequences per k. ``move`` changes one sequence's k in O(k_max), so the
@@ -370,13 +430,16 @@ class _StepTotals:
             if c.uses_draft_model and ks[c.key] > 0:
                 self.model_ks[ks[c.key]] += 1
 
-    def value(self) -> float:
-        """Expected tokens per second of the step."""
+    def value(self, optimistic: bool = False) -> float:
+        """Expected tokens per second of the step (``optimistic``: an unmeasured step size at
+        ``_StepCost.optimistic``)."""
         n_model = sum(self.model_ks)
         k_draft = max((k for k, n in enumerate(self.model_ks) if n), default=0)
         draft = k_draft * self.policy.draft_cost(n_model) if n_model else 0.0
+        cost = self.policy.target_cost
         # More tokens never cost less: a noisy table must not make drafting look free.
-        target = max(self.policy.target_cost(self.tokens), self.plain)
+        target = max(cost.optimistic(self.tokens) if optimistic else cost(self.tokens),
+                     self.plain)
         return self.gain / (target + draft + self.host)
 
     def move(self, c: Candidate, k: int) -> None:
