@@ -253,6 +253,29 @@ def test_a_budget_cut_falls_back_and_a_later_start_times_exactly_the_rest(tmp_pa
     assert again.num_untimed == 0  # the completed table was written back and is read as is
 
 
+def test_the_start_deadline_cuts_the_budget_but_leaves_its_minimum(tmp_path, monkeypatch):
+    """The fake kernels of the budget cut above (42 ms a module a shape): a deadline 0.1 s
+    after the tuner starts stops it where a 0.1 s budget does (2 of 9 shapes timed), under the
+    default 60 s budget; a deadline already past still leaves ``MIN_BUDGET_S`` (here 0.1 s:
+    the same 2 shapes); a deadline later than the budget leaves the budget in charge."""
+    from specserve.kernels import tuner
+
+    monkeypatch.setattr(tuner, "MIN_BUDGET_S", 0.1)
+    for name, deadline, budget in (("soon", 0.1, tuner.DEFAULT_BUDGET_S), ("past", -30.0, 60.0),
+                                   ("late", 100.0, 0.1)):
+        clock = FakeClock()
+        calls = _fake_kernels(monkeypatch, clock)
+        table = tuner.KernelTuner(tmp_path / name, name, repeats=1, budget_s=budget,
+                                  clock=clock, deadline=deadline).tune(_budget_model(), [1, 4, 8])
+        assert table.num_untimed == 7, name
+        assert sorted(calls) == [1] * 12, name  # 3 modules, 2 candidates, 2 passes
+    clock = FakeClock()
+    _fake_kernels(monkeypatch, clock)
+    whole = tuner.KernelTuner(tmp_path / "whole", "whole", repeats=1, clock=clock,
+                              deadline=100.0).tune(_budget_model(), [1, 4, 8])
+    assert whole.num_untimed == 0
+
+
 def test_a_shape_timed_for_one_table_is_read_for_the_next(tmp_path, monkeypatch, caplog):
     """Two engine configurations over the same shapes ask for rows [1, 4] and [1, 4, 8]: the
     second times only the 8-row shapes (4 modules, 2 candidates, 2 passes: 16 calls) and reads

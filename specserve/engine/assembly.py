@@ -8,6 +8,7 @@ run on it from the registry.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,12 @@ from specserve.target.model_runner import ModelRunner
 from specserve.target.quantize import quantize_model
 
 
+# Seconds from an engine's start to the end of its kernel tuning (kernels/tuner.py, "Deadline"):
+# the imports before it, the thread choice (<= 4 s) and the server's warm-up after it fit in what
+# is left of the minute a first start may take.
+TUNING_DEADLINE_S = 45.0
+
+
 @dataclass
 class EngineParts:
     model_config: ModelConfig
@@ -47,8 +54,10 @@ class EngineParts:
     threads: ThreadChoice
 
 
-def build_parts(config: ResolvedConfig, files: ModelFiles, registry: ProposerRegistry = REGISTRY
-                ) -> EngineParts:
+def build_parts(config: ResolvedConfig, files: ModelFiles, registry: ProposerRegistry = REGISTRY,
+                started: float | None = None) -> EngineParts:
+    """``started``: ``time.perf_counter()`` when the engine began (None: now)."""
+    deadline = (time.perf_counter() if started is None else started) + TUNING_DEADLINE_S
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     model_config, model = build_model(files.target, config.dtype, config.device,
@@ -67,7 +76,7 @@ def build_parts(config: ResolvedConfig, files: ModelFiles, registry: ProposerReg
             model, model_config, tokenizer, load_tokenizer, config.dtype, config.device,
             config.quantized, config.num_kv_blocks, config.block_size, attn,
         ))
-    table = _tune_kernels(config, model, draft)
+    table = _tune_kernels(config, model, draft, deadline)
     threads = choose_threads(config, runner)  # after tuning: it times the tuned kernels
     speculator = Speculator(
         config.asked, config.default_speculative_method, config.max_model_len, block_manager,
@@ -91,20 +100,22 @@ def _attention(config: ResolvedConfig, model_config: ModelConfig) -> AttentionBa
     return attn
 
 
-def _tune_kernels(config: ResolvedConfig, model: CausalLM, draft: LoadedDraft | None
-                  ) -> TuneTable | None:
+def _tune_kernels(config: ResolvedConfig, model: CausalLM, draft: LoadedDraft | None,
+                  deadline: float) -> TuneTable | None:
     """Measures (or reads the cached) kernel plan for the target's projections at the row
-    counts this engine runs, and the draft's at its own (1 row per sequence)."""
+    counts this engine runs, and the draft's at its own (1 row per sequence), both by the
+    start's ``deadline`` (a perf_counter reading)."""
     if not config.kernel_tuning or config.device.type != "cpu":
         return None
     tune_dir = cache_root() / "tune"
     rows = default_row_counts(
         config.num_speculative_tokens, config.max_num_seqs, config.max_num_batched_tokens
     )
-    table = KernelTuner(tune_dir, "target", progress=True).tune(model, rows)
+    table = KernelTuner(tune_dir, "target", progress=True, deadline=deadline).tune(model, rows)
     if draft is not None:
         draft_rows = default_row_counts(0, config.max_num_seqs, config.max_num_batched_tokens)
-        KernelTuner(tune_dir, draft.tune_name, progress=True).tune(draft.module, draft_rows)
+        KernelTuner(tune_dir, draft.tune_name, progress=True, deadline=deadline).tune(
+            draft.module, draft_rows)
     return table
 
 

@@ -55,12 +55,13 @@ class _StepClock:
 class LLMEngine:
     def __init__(self, config: EngineConfig, registry: ProposerRegistry = REGISTRY) -> None:
         """``registry``: the proposers it may build (a new method is one more entry)."""
+        started = time.perf_counter()  # the start's deadline counts from here (assembly.py)
         if resolve_device(config.device).type == "cpu":
             start_builds()  # a first start's C++ builds run while the model files are read
         files = ModelFiles.open(config)
         self.config = resolve_config(config, files, registry)
         self.tracer: Tracer | NullTracer = NullTracer()  # a Tracer records phase spans
-        parts = build_parts(self.config, files, registry)
+        parts = build_parts(self.config, files, registry, started)
         self.model_config = parts.model_config
         self.tokenizer = parts.tokenizer
         self.runner = parts.runner
