@@ -7,7 +7,8 @@ the k that pays on this machine, and what does a verify of n rows cost here?
 Three prompts (a rewrite whose answer repeats itself, a code prompt, a chat question), raw text
 (no chat template), greedy, EOS ignored. For each: plain decoding, the method under the
 adaptive policy, and the method at each fixed k (``--no-adaptive-speculation``, a fresh engine
-of the same model in the same process). Reports tokens per second, drafted and accepted
+of the same model in the same process), each run its own tenant (suffix decoding drafts from
+a tenant's earlier answers only: a run must not draft the previous run's answer). Reports tokens per second, drafted and accepted
 tokens, and the engine's own step table (median seconds of the target forwards by tokens fed,
 ``T(n)``) from the fixed runs, which feed every n from 1 to k + 1. Every speculative answer
 must equal plain decoding's (exit code 1 otherwise).
@@ -74,8 +75,8 @@ def main() -> int:
     for name, prompt in PROMPTS.items():
         tps, ids, _, _ = _run(adaptive, prompt, params, off)
         plain[name], rows[name]["off"] = ids, (tps, 0, 0)
-        tps, ids, drafted, accepted = _run(adaptive, prompt, params,
-                                           SpeculativeParams(method=args.method))
+        tps, ids, drafted, accepted = _run(adaptive, prompt, params, SpeculativeParams(
+            method=args.method, tenant=f"{name}-adaptive"))
         rows[name]["adaptive"] = (tps, drafted, accepted)
         differ += ids != plain[name]
     model_path = adaptive.model_path
@@ -85,7 +86,8 @@ def main() -> int:
     for name, prompt in PROMPTS.items():
         for k in ks:
             tps, ids, drafted, accepted = _run(
-                fixed, prompt, params, SpeculativeParams(method=args.method, num_tokens=k))
+                fixed, prompt, params,
+                SpeculativeParams(method=args.method, num_tokens=k, tenant=f"{name}-{k}"))
             rows[name][f"k={k}"] = (tps, drafted, accepted)
             differ += ids != plain[name]
     table = fixed.speculator.policy.target_cost.median

@@ -394,10 +394,11 @@ class SpeculationPolicy:
     def _worth_measuring(self, candidates: list[Candidate],
                          totals: Callable[[dict[int, int]], _StepTotals], best: float,
                          k_top: int) -> dict[int, int] | None:
-        """The common k whose step size has no measurement yet, that beats ``best`` at its
-        optimistic price and loses at most ``1 - _EXPLORE_FLOOR`` of it at the table's (the
-        most promising one), or None."""
-        trial, trial_value = None, best * 1.0001
+        """The smallest common k whose step size has no measurement yet, that beats
+        ``best`` at its optimistic price and loses at most ``1 - _EXPLORE_FLOOR`` of it at the
+        table's, or None. The smallest: a try of the longest draft the optimistic price favours
+        spent 16 rows at ~4x a step's cost, 15% of a code answer's time, on the 0.5B file."""
+        trial_value = best * 1.0001
         for level in range(1, k_top + 1):
             ks = {c.key: min(level, c.k_max) for c in candidates}
             step = totals(ks)
@@ -405,10 +406,9 @@ class SpeculationPolicy:
                 continue
             if step.value() < _EXPLORE_FLOOR * best:
                 continue
-            value = step.value(optimistic=True)
-            if value > trial_value:
-                trial, trial_value = ks, value
-        return trial
+            if step.value(optimistic=True) > trial_value:
+                return ks
+        return None
 
 
 class _StepTotals:
