@@ -5,9 +5,10 @@ The extension is compiled on first use with torch's own C++ extension builder (g
 cached under ``$SPECSERVE_CACHE_DIR/ext/<key>``, keyed by the source, the torch version and the
 Python version, so later starts load it in well under a second. It needs AVX2 and FMA (every
 x86-64 server CPU since 2013); elsewhere ``available()`` is False and quantized models fall back
-to torch kernels (see kernels/quant.py). Faster forms for CPUs with AVX-VNNI or AVX-512 VNNI are
-compiled in beside the AVX2 one (function-level targets) and chosen at run time: the kernel tuner
-times every form this CPU runs (``supported_isas``), since the fastest one differs by CPU.
+to torch kernels (see kernels/quant.py). Faster forms for CPUs with AVX-VNNI, AVX-512 VNNI or
+AMX-INT8 (kernels/csrc/amx.cpp) are compiled in beside the AVX2 one (function-level targets)
+and chosen at run time: the kernel tuner times every form this CPU runs (``supported_isas``),
+since the fastest one differs by CPU.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from specserve.kernels.cpp_build import load_extension
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("qgemm.cpp", "fused.cpp", "pool.cpp")]
-_HEADERS = [_CSRC / "pool.h"]  # not compiled on their own, but part of what a build depends on
+_SOURCES = [_CSRC / name for name in ("qgemm.cpp", "fused.cpp", "pool.cpp", "amx.cpp")]
+# not compiled on their own, but part of what a build depends on
+_HEADERS = [_CSRC / "pool.h", _CSRC / "amx.h"]
 # -fopenmp: the kernels' regions run on their own pool (csrc/pool.h), but its openmp policy
 # (the old static split, kept for comparisons) calls at::parallel_for, OpenMP pragmas in a
 # header. The extension's libgomp.so.1 resolves to the one torch has already loaded.
@@ -111,11 +113,11 @@ def available() -> bool:
 
 
 # The block kernels' instruction-set forms, in the C++ extension's numbering (qgemm.cpp).
-ISAS = ("avx2", "avxvnni", "avx512vnni")
+ISAS = ("avx2", "avxvnni", "avx512vnni", "amx")
 # Rows per pass each form takes: 16 (16 at a time, the rest in one pass) needs AVX-512's 32
-# vector registers for 16 rows' accumulators beside a block's codes.
+# vector registers for 16 rows' accumulators beside a block's codes; AMX's tiles hold 16 rows.
 ROWS_PER_PASS = {"avx2": (1, 2, 4, 8), "avxvnni": (1, 2, 4, 8), "avx512vnni": (1, 2, 4, 8, 16),
-                 "avx2p5": (1, 2, 4, 8)}
+                 "amx": (16,), "avx2p5": (1, 2, 4, 8)}
 
 
 @functools.cache

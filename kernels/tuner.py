@@ -9,9 +9,10 @@ timed pass meets the weights where a forward does: in memory when the model's we
 the last-level cache (a read of twice that cache evicts them first), else cached.
 
 Candidates: for dense float projections the entries of ``specserve.kernels.linear.DENSE_KERNELS``;
-for block-quantized ones every instruction-set form this CPU runs (AVX2, AVX-VNNI, AVX-512 VNNI)
-times the rows each unpacked weight block is shared by (1, 2, 4, 8; 16 for AVX-512), named
-"<isa>/<rows>"; the numbers are identical, only the speed differs. The table also gives the
+for block-quantized ones every instruction-set form this CPU runs (AVX2, AVX-VNNI, AVX-512 VNNI,
+AMX-INT8) times the rows each unpacked weight block is shared by (1, 2, 4, 8; 16 for AVX-512;
+16 only for AMX's tiles), named "<isa>/<rows>"; the numbers are identical, only the speed
+differs. The table also gives the
 measured cost of all projections of one forward per row count (``projection_seconds``), which
 the speculation policy uses to price steps it has not measured yet.
 
@@ -191,8 +192,10 @@ def model_groups(model: nn.Module) -> dict[str, list[nn.Module]]:
 
 def _candidates(module: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], object]]:
     if isinstance(module, BlockQuantLinear):
-        # Q8_F has one instruction sequence (AVX2; the other forms' codes run it too)
-        isas = ("avx2",) if module.fmt == "q8_f" else quant_ext.supported_isas()
+        # Q8_F has no AVX-VNNI form of its own (its code runs AVX2's): not timed twice
+        isas = quant_ext.supported_isas()
+        if module.fmt == "q8_f":
+            isas = tuple(i for i in isas if i != "avxvnni")
         if module.five_bit and x.shape[0] <= P5_MAX_ROWS:
             isas = (*isas, quant_ext.FIVE_BIT)
         codes = {f"{isa}/{r}": quant_ext.kernel_code(f"{isa}/{r}")

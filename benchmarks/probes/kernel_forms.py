@@ -40,7 +40,7 @@ from benchmarks.report import (  # noqa: E402
     run_info,
 )
 from specserve.kernels import quant_ext  # noqa: E402
-from specserve.kernels.quant import BlockQuantLinear, code_class  # noqa: E402
+from specserve.kernels.quant import P5_FORM, BlockQuantLinear, code_class  # noqa: E402
 
 SIGN = "avx2 class 0"  # the AVX2 form with every layer's codes taken as signed (class 0)
 
@@ -64,8 +64,8 @@ def time_form(mods: list[BlockQuantLinear], xs: dict[int, torch.Tensor], code: i
     def call(m: BlockQuantLinear) -> None:
         if sign_form:
             m._ext.block_linear(xs[m.in_features], *m.planes, code)
-        else:
-            m.run(xs[m.in_features], code)
+        else:  # the five-bit form runs the layers that hold five-bit planes; the rest as int8
+            m.run(xs[m.in_features], code if m.five_bit else code & ~P5_FORM)
 
     for m in mods:  # warm-up
         call(m)

@@ -18,7 +18,8 @@
 // Instruction sets (the ``kernel`` argument, 256 * code class + 32 * isa + rows per pass; the
 // code classes are above q8_group): 0 AVX2 (maddubs: 16-bit
 // pair sums, widened), 1 AVX-VNNI and 2 AVX-512 VNNI (dpbusd: 4 products straight into int32;
-// the 512-bit form runs two groups, 16 features, per instruction). Q8_0's signed codes go in
+// the 512-bit form runs two groups, 16 features, per instruction), 3 AMX-INT8 (tile products:
+// amx.cpp, every layout, 16 rows a pass). Q8_0's signed codes go in
 // as unsigned w + 128 and lose 128 * sum(x) after (exact). Rows per pass: 1, 2, 4 or 8 (that
 // many rows share a pass, the rest in halving passes), or 16 in the AVX-512 form (16 at a time,
 // all the rest in one pass). The integer dot is exact in every form and the float ops per
@@ -45,6 +46,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "pool.h"
 
 namespace {
@@ -445,6 +447,27 @@ SPECSERVE_TARGET_AVX512 inline __m512 load_half16(const uint16_t* a, const uint1
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
 }
 
+// 8 float32 at a, 8 at b -> 16 float32.
+SPECSERVE_TARGET_AVX512 inline __m512 load_float16(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(
+      _mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(a))),
+      _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+
+// A block's 8 code vectors of two groups (Q8_0 layout at a and b) side by side, + 128 (as
+// unsigned bytes, which dpbusd takes).
+SPECSERVE_TARGET_AVX512 inline void load_pair_flipped(const int8_t* a, const int8_t* b,
+                                                      __m512i* u) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int v = 0; v < 8; ++v)
+    u[v] = _mm512_xor_si512(
+        _mm512_inserti64x4(
+            _mm512_castsi256_si512(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * v))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * v)), 1),
+        flip);
+}
+
 // AVX-512 VNNI: groups g and g + 1 side by side in one 512-bit vector (16 features), whose
 // outputs are adjacent in y, so each row stores 16 floats at once.
 template <int R>
@@ -506,20 +529,13 @@ SPECSERVE_TARGET_AVX512 void q8_pair_avx512(int64_t g, int64_t i0, int64_t KB, c
   const int8_t* qa = qs + g * KB * 256;
   const int8_t* qb = qa + KB * 256;
   const uint16_t* da = d + g * KB * 8;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < KB; ++b) {
     prefetch_codes<256>(qa, b);
     prefetch_codes<256>(qb, b);
     prefetch_scales<256>(da, b);
     prefetch_scales<256>(da + KB * 8, b);
     __m512i u[8];  // w + 128 as unsigned bytes
-    for (int v = 0; v < 8; ++v)
-      u[v] = _mm512_xor_si512(
-          _mm512_inserti64x4(
-              _mm512_castsi256_si512(
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + b * 256 + 32 * v))),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + b * 256 + 32 * v)), 1),
-          flip);
+    load_pair_flipped(qa + b * 256, qb + b * 256, u);
     const __m512 dv = load_half16(da + b * 8, da + KB * 8 + b * 8);
     for (int r = 0; r < R; ++r) {
       const int64_t i = i0 + r;
@@ -586,6 +602,50 @@ void q8f_group(int64_t g, int64_t i0, int64_t KB, const int8_t* qs, const float*
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
+// The AVX-512 VNNI form of q8f_group: groups g and g + 1 side by side (16 features), every
+// code class as u = q + 128 (dpbusd takes unsigned x signed), dot = sum(u * x) - 128 * sum(x)
+// per half block (exact), then q8f_group's float ops lane for lane.
+template <int R>
+SPECSERVE_TARGET_AVX512 void q8f_pair_avx512(int64_t g, int64_t i0, int64_t KB, const int8_t* qs,
+                                             const float* d, const float* m, const int8_t* xq,
+                                             const float* dx, const float* sx,
+                                             const int32_t* xh, int64_t K, __m512* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* qa = qs + g * KB * 256;
+  const int8_t* qb = qa + KB * 256;
+  const float* da = d + g * KB * 16;
+  const float* db = da + KB * 16;
+  const float* ma = m == nullptr ? nullptr : m + g * KB * 8;
+  for (int64_t b = 0; b < KB; ++b) {
+    prefetch_codes<256>(qa, b);
+    prefetch_codes<256>(qb, b);
+    prefetch_at(da, b * 64 + kPrefetchBytes / 4);
+    prefetch_at(db, b * 64 + kPrefetchBytes / 4);
+    __m512i u[8];  // q + 128 as unsigned bytes
+    load_pair_flipped(qa + b * 256, qb + b * 256, u);
+    const __m512 d0 = load_float16(da + b * 16, db + b * 16);
+    const __m512 d1 = load_float16(da + b * 16 + 8, db + b * 16 + 8);
+    const __m512 mv = ma == nullptr ? _mm512_setzero_ps()
+                                    : load_float16(ma + b * 8, ma + KB * 8 + b * 8);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = i0 + r;
+      const int8_t* xb = xq + i * K + b * QK;
+      __m512i s[2];
+      for (int h = 0; h < 2; ++h) {
+        s[h] = _mm512_set1_epi32(-128 * xh[2 * (i * KB + b) + h]);
+        for (int v = 4 * h; v < 4 * h + 4; ++v)
+          s[h] = _mm512_dpbusd_epi32(s[h], u[v], _mm512_set1_epi32(load4(xb + 4 * v)));
+      }
+      const __m512 xd = _mm512_set1_ps(dx[i * KB + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_mul_ps(d0, xd), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[1]), _mm512_mul_ps(d1, xd), acc[r]);
+      if (ma != nullptr) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[i * KB + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
 struct ScaledJob {
   const int8_t* qs;
   const float* d;
@@ -619,6 +679,16 @@ void q8f_pass(const ScaledJob& j, int64_t g, int64_t i) {
   for (int r = 0; r < R; ++r)
     _mm256_storeu_ps(j.y + (i + r) * j.N + 8 * g,
                      j.bias != nullptr ? _mm256_add_ps(out[r], bv) : out[r]);
+}
+
+template <int R>
+SPECSERVE_TARGET_AVX512 void q8f_avx512_pass(const ScaledJob& j, int64_t g, int64_t i) {
+  __m512 out[R];
+  q8f_pair_avx512<R>(g, i, j.KB, j.qs, j.d, j.m, j.xq, j.dx, j.sx, j.xh, j.K, out);
+  const __m512 bv = j.bias != nullptr ? _mm512_loadu_ps(j.bias + 8 * g) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(j.y + (i + r) * j.N + 8 * g,
+                     j.bias != nullptr ? _mm512_add_ps(out[r], bv) : out[r]);
 }
 
 void run_q8f(const ScaledJob& j, int64_t g0, int64_t g1) {
@@ -753,8 +823,16 @@ SPECSERVE_TARGET_VNNI void run_vnni(const Job& j, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) SPECSERVE_ROW_PASSES(vnni_pass)
 }
 
+// Q8_F's forms under the names the pair loop below calls for either job.
+void run_avx2(const ScaledJob& j, int64_t g0, int64_t g1) { run_q8f(j, g0, g1); }
+template <int R>
+SPECSERVE_TARGET_AVX512 void avx512_pass(const ScaledJob& j, int64_t g, int64_t i) {
+  q8f_avx512_pass<R>(j, g, i);
+}
+
 // Pairs [p0, p1) of groups (2p, 2p + 1); an odd last group runs the AVX2 form (same bits).
-SPECSERVE_TARGET_AVX512 void run_avx512(const Job& j, int64_t G, int64_t p0, int64_t p1) {
+template <typename J>
+SPECSERVE_TARGET_AVX512 void run_avx512(const J& j, int64_t G, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t g = 2 * p;
     if (g + 1 == G)
@@ -768,7 +846,7 @@ SPECSERVE_TARGET_AVX512 void run_avx512(const Job& j, int64_t G, int64_t p0, int
 #undef SPECSERVE_ROW_PASSES
 #undef SPECSERVE_ROW_PASSES_ANY
 
-enum Isa : int64_t { kAvx2 = 0, kAvxVnni = 1, kAvx512Vnni = 2 };
+enum Isa : int64_t { kAvx2 = 0, kAvxVnni = 1, kAvx512Vnni = 2, kAmx = 3 };
 
 bool isa_supported(int64_t isa) {
   switch (isa) {
@@ -779,9 +857,21 @@ bool isa_supported(int64_t isa) {
     case kAvx512Vnni:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    case kAmx:
+      return specserve::amx::supported();
     default:
       return false;
   }
+}
+
+// The AMX form over group pairs [p0, p1) of G groups: whole pairs on the tiles, an odd last
+// group through `single` (another form: the same bits).
+template <typename Single>
+void run_amx(const specserve::amx::Operands& op, int64_t G, int64_t p0, int64_t p1,
+             const Single& single) {
+  const int64_t whole = std::min(p1, G / 2);
+  if (p0 < whole) specserve::amx::run_pairs(op, p0, whole);
+  if (p1 > whole && G % 2 == 1) single(G - 1, G);
 }
 
 }  // namespace
@@ -827,12 +917,14 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs_int8, const at
   const int64_t code_class = kernel / 256, isa = kernel % 256 / 32, rows_per_pass = kernel % 32;
   TORCH_CHECK(code_class >= 0 && code_class < kCodeClasses, "kernel / 256 (code class) must be 0-",
               kCodeClasses - 1, ", got ", code_class);
-  TORCH_CHECK(rows_per_pass == 1 || rows_per_pass == 2 || rows_per_pass == 4 ||
-                  rows_per_pass == 8 || (rows_per_pass == 16 && isa == 2),
+  TORCH_CHECK(isa == kAmx ? rows_per_pass == 16
+                          : (rows_per_pass == 1 || rows_per_pass == 2 || rows_per_pass == 4 ||
+                             rows_per_pass == 8 || (rows_per_pass == 16 && isa == 2)),
               "kernel % 32 (rows per pass) must be 1, 2, 4 or 8, or 16 for AVX-512 VNNI (isa 2), "
-              "got ", rows_per_pass, " with isa ", isa);
+              "16 only for AMX (isa 3), got ", rows_per_pass, " with isa ", isa);
   TORCH_CHECK(isa_supported(isa), "kernel / 32 = ", isa,
-              " names an instruction set this CPU lacks (0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI)");
+              " names an instruction set this CPU lacks (0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI, "
+              "3 AMX-INT8)");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const QuantRows& xr = quantize_rows(x);
@@ -857,7 +949,18 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs_int8, const at
   // (kernels/csrc/pool.h); under the openmp policy one static piece a thread, as before.
   const int64_t cuts = specserve::pool::team_size() *
                        (specserve::pool::dynamic() ? specserve::pool::chunks_per_thread() : 4);
-  if (isa == kAvx512Vnni && !p5) {
+  if (isa == kAmx && !p5) {
+    const specserve::amx::Operands op{
+        q4 ? specserve::amx::Layout::kQ4_1 : specserve::amx::Layout::kQ8, job.qs, job.d, job.m,
+        job.bias, job.xq, job.dx, job.sx, job.y, M, K, KB, N};
+    const int64_t pairs = (G + 1) / 2;
+    specserve::pool::parallel_for(0, pairs, std::max<int64_t>(1, pairs / cuts),
+                                  [&](int64_t p0, int64_t p1) {
+                                    run_amx(op, G, p0, p1, [&](int64_t g0, int64_t g1) {
+                                      run_avx2(job, g0, g1);
+                                    });
+                                  });
+  } else if (isa == kAvx512Vnni && !p5) {
     const int64_t pairs = (G + 1) / 2;
     specserve::pool::parallel_for(0, pairs, std::max<int64_t>(1, pairs / cuts),
                                   [&](int64_t p0, int64_t p1) { run_avx512(job, G, p0, p1); });
@@ -873,8 +976,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs_int8, const at
   return y;
 }
 
-// Q8_F weights (see q8f_group). kernel as block_linear's; this form has one (AVX2) instruction
-// sequence, so the instruction set is not read and rows per pass above 8 run as 8 (same bits).
+// Q8_F weights (see q8f_group). kernel as block_linear's: the AVX-512 VNNI (isa 2) and AMX
+// (isa 3) forms where asked for, else the AVX2 one (AVX-VNNI too), its rows per pass above 8
+// run as 8 (the same bits in every form).
 at::Tensor scaled_block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                                const c10::optional<at::Tensor>& m,
                                const c10::optional<at::Tensor>& bias, int64_t kernel) {
@@ -892,11 +996,17 @@ at::Tensor scaled_block_linear(const at::Tensor& x, const at::Tensor& qs, const 
                                  m->is_contiguous() && m->scalar_type() == at::kFloat),
               "mins must be float32 [N / 8, K / 32, 8]");
   TORCH_CHECK(!bias.has_value() || bias->numel() == N, "bias must have N (padded to 8) entries");
-  const int64_t code_class = kernel / 256, rows_per_pass = std::min<int64_t>(kernel % 32, 8);
+  const int64_t isa = kernel % 256 / 32;
+  TORCH_CHECK(isa_supported(isa), "kernel / 32 = ", isa,
+              " names an instruction set this CPU lacks (0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI, "
+              "3 AMX-INT8)");
+  const bool amx = isa == kAmx, avx512 = isa == kAvx512Vnni;
+  const int64_t code_class = kernel / 256,
+                rows_per_pass = avx512 ? kernel % 32 : std::min<int64_t>(kernel % 32, 8);
   TORCH_CHECK(code_class >= 0 && code_class < kCodeClasses, "kernel / 256 (code class) must be 0-",
               kCodeClasses - 1, ", got ", code_class);
   TORCH_CHECK(rows_per_pass == 1 || rows_per_pass == 2 || rows_per_pass == 4 ||
-                  rows_per_pass == 8,
+                  rows_per_pass == 8 || (rows_per_pass == 16 && avx512),
               "kernel % 32 (rows per pass) must be 1, 2, 4, 8 or 16, got ", kernel % 32);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -910,6 +1020,26 @@ at::Tensor scaled_block_linear(const at::Tensor& x, const at::Tensor& qs, const 
   // Split over groups of 8 output features only, as block_linear.
   const int64_t cuts = specserve::pool::team_size() *
                        (specserve::pool::dynamic() ? specserve::pool::chunks_per_thread() : 4);
+  if (amx) {
+    const specserve::amx::Operands op{specserve::amx::Layout::kQ8F, job.qs, job.d, job.m,
+                                      job.bias, job.xq, job.dx, job.sx, job.y, M, K, KB, N};
+    const int64_t pairs = (G + 1) / 2;
+    specserve::pool::parallel_for(0, pairs, std::max<int64_t>(1, pairs / cuts),
+                                  [&](int64_t p0, int64_t p1) {
+                                    run_amx(op, G, p0, p1, [&](int64_t g0, int64_t g1) {
+                                      run_q8f(job, g0, g1);
+                                    });
+                                  });
+    return y;
+  }
+  if (avx512) {
+    const int64_t pairs = (G + 1) / 2;
+    specserve::pool::parallel_for(0, pairs, std::max<int64_t>(1, pairs / cuts),
+                                  [&](int64_t p0, int64_t p1) {
+                                    run_avx512(job, G, p0, p1);
+                                  });
+    return y;
+  }
   const int64_t chunk = std::max<int64_t>(2, G / cuts);
   specserve::pool::parallel_for(0, G, chunk,
                                 [&](int64_t g0, int64_t g1) { run_q8f(job, g0, g1); });
@@ -934,5 +1064,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "y = x @ W^T for Q8_F block weights (int8 codes, float32 half-block scales, optional "
           "float32 mins), int8 activations; kernel as block_linear's");
   mod.def("block_isa_supported", &block_isa_supported,
-          "True when this CPU runs block_linear's instruction set `isa` (0, 1 or 2)");
+          "True when this CPU runs block_linear's instruction set `isa` (0, 1, 2 or 3)");
 }
