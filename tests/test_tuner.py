@@ -68,9 +68,10 @@ def test_tuner_picks_the_faster_candidate_and_caches(tmp_path, monkeypatch):
 
 def test_tuner_times_from_memory_only_when_weights_exceed_the_last_level_cache(monkeypatch):
     """Weights that fit in the last-level cache are timed cached (no eviction); weights that do
-    not are timed after a read of twice that cache, before every timed pass of every candidate,
-    never inside the timing."""
-    from specserve.kernels import tuner
+    not are timed after their cache lines are flushed (CLFLUSHOPT, where the CPU has it) or a
+    read of twice that cache, before every timed pass of every candidate, never inside the
+    timing."""
+    from specserve.kernels import quant_ext, tuner
     from specserve.kernels.linear import DenseLinear
 
     llc = tuner.last_level_cache_bytes()  # sysfs's answer here, when it has one
@@ -80,8 +81,23 @@ def test_tuner_times_from_memory_only_when_weights_exceed_the_last_level_cache(m
     monkeypatch.setattr(tuner, "last_level_cache_bytes", lambda: 1 << 20)
     assert tuner.cache_evictor(groups) is None
     monkeypatch.setattr(tuner, "last_level_cache_bytes", lambda: 16 << 10)
+    flushing = "clflushopt" in quant_ext.cpu_flags() and quant_ext.available()
+    if flushing:  # the flush gets exactly the timed modules' weights, and changes no byte
+        flushed: list[torch.Tensor] = []
+        real = quant_ext.load().evict_from_cache
+        monkeypatch.setattr(quant_ext.load(), "evict_from_cache",
+                            lambda ts: (flushed.extend(ts), real(ts)))
+        before = model[0].weight.clone()
+        tuner.cache_evictor(groups)([model[0]])
+        assert [t.data_ptr() for t in flushed] == [model[0].weight.data_ptr()]
+        assert torch.equal(model[0].weight, before)
+    monkeypatch.setattr(quant_ext, "cpu_flags", lambda: set())  # a CPU without CLFLUSHOPT
     evict = tuner.cache_evictor(groups)
-    assert evict is not None and evict.__self__.numel() * 4 == 32 << 10  # twice the cache
+    reads: list[int] = []
+    monkeypatch.setattr(torch.Tensor, "sum", lambda t: reads.append(t.numel() * 4))
+    evict([model[0]])
+    assert reads == [32 << 10]  # twice the cache
+    monkeypatch.undo()
     order: list[str] = []
     runs = [{"a": lambda: order.append("a"), "b": lambda: order.append("b")}]
     tuner.time_candidates(runs, 2, lambda: order.append("evict"))
