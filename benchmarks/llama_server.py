@@ -13,7 +13,7 @@ llama-bench``, ~15 minutes on 2 cores). Layout, under ``cache_root()`` (``SPECSE
 default ``~/.cache/specserve``):
 
     llama.cpp/src-<version>/     the vendored llama.cpp sources
-    llama.cpp/build-<version>/   the cmake build; binaries in bin/
+    llama.cpp/build-<version>/   the cmake build; binaries in bin/ (-noamx on AMX CPUs)
     llama.cpp/build-<version>.log
 
 A build is reused when both binaries are there and run; only what is missing is fetched or built,
@@ -45,6 +45,19 @@ from specserve.core.paths import cache_root  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp we build
 CMAKE_FLAGS = ["-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF"]
+# On a CPU with AMX, GGML_NATIVE compiles ggml's AMX matmuls in, and 0.3.36's llama-server dies
+# of SIGILL in them at its first batch (tinygemm_kernel_amx<block_q8_0>, 2-core Xeon,
+# 2026-12-07; granting the process the tile state first does not help). Built without them it
+# runs its AVX-512 VNNI kernels; the build folder says so (build-<version>-noamx).
+NO_AMX = ["-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+          "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"]
+
+
+def _has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 TARGETS = ["llama-server", "llama-bench"]
 # llama-server's speculative types that need no second model, and the one that does.
 NGRAM_SPEC_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k")
@@ -95,8 +108,8 @@ class LlamaCpp:
     @classmethod
     def at(cls, version: str = LLAMA_CPP_PYTHON) -> LlamaCpp:
         base = cache_root() / "llama.cpp"
-        return cls(version, base / f"src-{version}", base / f"build-{version}",
-                   base / f"build-{version}.log")
+        name = f"build-{version}" + ("-noamx" if _has_amx() else "")
+        return cls(version, base / f"src-{version}", base / name, base / f"{name}.log")
 
     def ready(self) -> bool:
         return runs(self.server) and runs(self.bench)
@@ -156,7 +169,8 @@ def build(llama: LlamaCpp, log=print) -> None:
     log(f"building {' '.join(TARGETS)} in {llama.build} (~15 minutes on 2 cores; log: "
         f"{llama.log})")
     with llama.log.open("ab") as out:
-        for cmd in (["cmake", "-S", str(llama.src), "-B", str(llama.build), *CMAKE_FLAGS],
+        flags = CMAKE_FLAGS + (NO_AMX if _has_amx() else [])
+        for cmd in (["cmake", "-S", str(llama.src), "-B", str(llama.build), *flags],
                     ["cmake", "--build", str(llama.build), "--target", *TARGETS, "-j", jobs]):
             if shutil.which(cmd[0]) is None:
                 raise BenchError("cmake is missing: install it (apt-get install cmake)")

@@ -114,6 +114,9 @@ def _fake_binary(path, rc: int = 0, body: str | None = None) -> None:
 
 def test_llama_cpp_layout_is_reused_when_it_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(llama_server, "_has_amx", lambda: True)  # built apart, without AMX
+    assert llama_server.LlamaCpp.at("9.9.9").build == tmp_path / "llama.cpp" / "build-9.9.9-noamx"
+    monkeypatch.setattr(llama_server, "_has_amx", lambda: False)
     llama = llama_server.LlamaCpp.at("9.9.9")
     assert llama.src == tmp_path / "llama.cpp" / "src-9.9.9"
     assert llama.server == tmp_path / "llama.cpp" / "build-9.9.9" / "bin" / "llama-server"
