@@ -9,7 +9,8 @@ benchmarks measure against (an optional benchmark tool: nothing in specserve nee
 The source is the llama.cpp tree vendored in the llama-cpp-python sdist (``LLAMA_CPP_PYTHON``),
 fetched with pip (``pip download --no-binary :all: --no-deps``); it is built with cmake
 (``-DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF``, targets ``llama-server
-llama-bench``, ~15 minutes on 2 cores). Layout, under ``cache_root()`` (``SPECSERVE_CACHE_DIR``,
+llama-bench``, ~15 minutes on 2 cores; on CPUs with AMX also without ggml's AMX kernels,
+``NO_AMX``). Layout, under ``cache_root()`` (``SPECSERVE_CACHE_DIR``,
 default ``~/.cache/specserve``):
 
     llama.cpp/src-<version>/     the vendored llama.cpp sources
