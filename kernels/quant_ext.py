@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("qgemm.cpp", "fused.cpp", "pool.cpp", "amx.cpp")]
 # not compiled on their own, but part of what a build depends on
-_HEADERS = [_CSRC / "pool.h", _CSRC / "amx.h"]
+_HEADERS = [_CSRC / "pool.h", _CSRC / "amx.h", _CSRC / "block_simd.h"]
 # -fopenmp: the kernels' regions run on their own pool (csrc/pool.h), but its openmp policy
 # (the old static split, kept for comparisons) calls at::parallel_for, OpenMP pragmas in a
 # header. The extension's libgomp.so.1 resolves to the one torch has already loaded.

@@ -13,6 +13,7 @@
 // already TDPBSSD's "K/4 rows of 4-byte feature groups"), tmm4..7 the int32 dots, stored to a
 // 16 x 16 scratch the float pass reads. Q4_1's nibbles are unpacked to int8 in a scratch first.
 #include "amx.h"
+#include "block_simd.h"
 
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -23,7 +24,11 @@
 namespace specserve::amx {
 namespace {
 
-constexpr int64_t QK = 32;
+using block_simd::kPrefetchBytes;
+using block_simd::load_float16;
+using block_simd::load_half16;
+using block_simd::prefetch_at;
+using block_simd::QK;
 
 #define SPECSERVE_TARGET_AMX                                                          \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile," \
@@ -54,19 +59,6 @@ SPECSERVE_TARGET_AMX void configure(int R, int kbytes) {
   _tile_loadconfig(&c);
 }
 
-// 8 float16 scales at a, 8 at b -> 16 float32 (exact).
-SPECSERVE_TARGET_AMX inline __m512 load_half16(const uint16_t* a, const uint16_t* b) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-}
-
-SPECSERVE_TARGET_AMX inline __m512 load_float16x(const float* a, const float* b) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(
-                                                  _mm256_loadu_ps(a))),
-                                              _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
-}
-
 // One Q4_1 block of a group (128 bytes, codes 0..15 in nibbles) -> the Q8_0 layout's 256 bytes.
 SPECSERVE_TARGET_AMX inline void unpack_q4(const uint8_t* p, int8_t* out) {
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -76,14 +68,6 @@ SPECSERVE_TARGET_AMX inline void unpack_q4(const uint8_t* p, int8_t* out) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32 * (v + 4)),
                        _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
   }
-}
-
-// Prefetch as qgemm.cpp does: the codes this far ahead (and their scales at the same distance).
-constexpr int64_t kPrefetchBytes = 8192;
-
-inline void prefetch_at(const void* base, int64_t offset) {
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + offset),
-               _MM_HINT_T0);
 }
 
 // tmm C0 = tmm0 . tmm1 and tmm C1 = tmm0 . tmm2 (the activations against both groups' codes);
@@ -168,12 +152,12 @@ SPECSERVE_TARGET_AMX void pair_pass(const Operands& op, int64_t g, int64_t i0) {
       if constexpr (L == Layout::kQ8F) {
         const float* da = static_cast<const float*>(op.d) + g * KB * 16 + b * 16;
         const float* db = da + KB * 16;
-        const __m512 d0 = load_float16x(da, db);
-        const __m512 d1 = load_float16x(da + 8, db + 8);
+        const __m512 d0 = load_float16(da, db);
+        const __m512 d1 = load_float16(da + 8, db + 8);
         const float* m = static_cast<const float*>(op.m);
         const __m512 mv = m == nullptr ? _mm512_setzero_ps()
-                                       : load_float16x(m + g * KB * 8 + b * 8,
-                                                       m + (g + 1) * KB * 8 + b * 8);
+                                       : load_float16(m + g * KB * 8 + b * 8,
+                                                      m + (g + 1) * KB * 8 + b * 8);
         for (int r = 0; r < R; ++r) {
           const __m512 xd = _mm512_set1_ps(dx[r * KB]);
           const __m512 s0 = _mm512_cvtepi32_ps(_mm512_load_si512(dots[j][0][r]));
