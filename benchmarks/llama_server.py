@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT.parent))
 from benchmarks.launched_server import free_port, health_ok, stop_children_on_sigterm  # noqa: E402
 from benchmarks.report import BenchError  # noqa: E402
 from specserve.core.paths import cache_root  # noqa: E402
+from specserve.kernels.quant_ext import cpu_flags  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp we build
 CMAKE_FLAGS = ["-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF"]
@@ -55,10 +56,9 @@ NO_AMX = ["-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 
 
 def _has_amx() -> bool:
-    try:
-        return "amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    return "amx_tile" in cpu_flags()
+
+
 TARGETS = ["llama-server", "llama-bench"]
 # llama-server's speculative types that need no second model, and the one that does.
 NGRAM_SPEC_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k")
