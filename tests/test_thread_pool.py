@@ -3,14 +3,16 @@ not when every thread has checked in, and no schedule moves a bit. Checked on th
 model's real fused decoder path (prefill, decode and verify rows, the paged attention with and
 without key segments) against a one-thread run: with the workers held (as descheduled threads
 are), under every wait policy and OpenMP's static split, and while another process burns a core
-and a thread wakes every 2 ms (a server's event loop)."""
+and a thread wakes every 2 ms (a server's event loop). The kernels let other Python threads run
+while they compute (they release the GIL)."""
 
 from __future__ import annotations
 
 import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -161,6 +163,80 @@ def test_steps_under_a_burned_core_and_a_waking_thread_are_bit_identical(default
             with torch_threads(threads):
                 for f in FORMS:
                     assert torch.equal(_logits(cfg, model, f), one_thread[f])
+
+
+@contextlib.contextmanager
+def gil_watch() -> Iterator[Callable[[Callable[[], object]], bool]]:
+    """Yields ``ran_beside(call)``: True when another Python thread ran while ``call`` ran.
+    The thread ticks a counter between short waits; with the interpreter's switch interval
+    set far beyond the test, the GIL changes hands only where its holder lets it go, so the
+    counter moves during ``call`` only if ``call`` released the GIL."""
+    ticks = [0]
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(0.0002):
+            ticks[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+
+    def ran_beside(call: Callable[[], object]) -> bool:
+        before = ticks[0]
+        call()
+        return ticks[0] > before
+
+    try:
+        yield ran_beside
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+
+
+class _WatchedStack:
+    """A DecoderStack whose forward_ records whether another thread ran during it."""
+
+    def __init__(self, stack, ran_beside) -> None:
+        self.stack, self.ran_beside, self.beside = stack, ran_beside, []
+
+    def forward_(self, *args) -> None:
+        self.beside.append(self.ran_beside(lambda: self.stack.forward_(*args)))
+
+    def __getattr__(self, name: str):
+        return getattr(self.stack, name)
+
+
+@pytest.mark.slow
+def test_kernels_let_other_python_threads_run(default_model, one_thread):
+    """A block projection and the whole-stack decoder call run without the GIL: a server's
+    event loop (another Python thread) can write a stream's chunk while a step computes,
+    instead of waiting for the step's end. The ticking thread misses a call when the OS has
+    not run it in time, so each kernel must be seen beside it 5 times in up to 400 calls
+    (after a warm-up call: a first call's one-time set-up may release the GIL itself); with
+    the GIL held it is never seen. The stack's logits stay the one-thread bits."""
+    from specserve.kernels.quant import BlockQuantLinear, quantize
+
+    layer = BlockQuantLinear(quantize(torch.randn(2048, 2048) * 0.05, "q8_0"))
+    x = torch.randn(32, 2048)
+    cfg, model = default_model
+    f = FORMS[0]
+    layer(x)
+    _logits(cfg, model, f)  # builds the model's DecoderStack
+    real = model._stack
+    assert real is not None
+    with torch_threads(2), gil_watch() as ran_beside:
+        projection = [ran_beside(lambda: layer(x)) for _ in range(400)]
+        model._stack = watched = _WatchedStack(real, ran_beside)
+        try:
+            while sum(watched.beside) < 5 and len(watched.beside) < 400:
+                assert torch.equal(_logits(cfg, model, f), one_thread[f])
+        finally:
+            model._stack = real
+    assert sum(projection) >= 5, sum(projection)
+    assert sum(watched.beside) >= 5, (sum(watched.beside), len(watched.beside))
 
 
 @pytest.mark.e2e

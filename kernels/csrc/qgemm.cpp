@@ -1046,18 +1046,21 @@ void register_pool(pybind11::module& mod);   // pool.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   register_fused(mod);
   register_pool(mod);
+  // Without the GIL, as fused.cpp's entries (why: there).
+  using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
   mod.def("block_linear", &block_linear,
           "y = x @ W^T for Q4_1 (m given), Q8_0 (m None) or Q8_F (float32 scales) block "
           "weights, int8 activations; kernel = 256 * code class + 32 * isa + rows per pass, "
           "| 1 << 10 to run qs5 (five-bit codes) instead of qs",
           pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("d"), pybind11::arg("m"),
-          pybind11::arg("bias"), pybind11::arg("kernel"), pybind11::arg("qs5") = pybind11::none());
+          pybind11::arg("bias"), pybind11::arg("kernel"), pybind11::arg("qs5") = pybind11::none(),
+          NoGil());
   mod.def("scaled_block_linear", &scaled_block_linear,
           "y = x @ W^T for Q8_F block weights (int8 codes, float32 half-block scales, optional "
-          "float32 mins), int8 activations; kernel as block_linear's");
+          "float32 mins), int8 activations; kernel as block_linear's", NoGil());
   mod.def("evict_from_cache", &evict_from_cache,
           "Flushes the tensors' bytes from every cache level (CLFLUSHOPT: check the CPU has "
-          "it): their next read is from memory");
+          "it): their next read is from memory", NoGil());
   mod.def("block_isa_supported", &block_isa_supported,
           "True when this CPU runs block_linear's instruction set `isa` (0, 1, 2 or 3)");
 }
