@@ -200,7 +200,8 @@ def _ready_line(caplog) -> str:
 def test_start_up_measures_the_decode_step_caches_and_logs(model_dir, monkeypatch, caplog,
                                                             restored):
     """With the size floor lowered, the engine's probe (a real decode forward of its model and
-    the greedy pick) is timed under every candidate and the choice cached; the next engine of
+    a greedy token through the engine's own sampler, whose torch ops are part of what a setup
+    costs) is timed under every candidate and the choice cached; the next engine of
     the same shape reads it and says so in its start-up line. The probe leaves the KV pool
     zeroed. (The counting clock makes the measurement complete whatever the machine's load.)"""
     monkeypatch.delenv(thread_policy.ENV, raising=False)
@@ -216,10 +217,19 @@ def test_start_up_measures_the_decode_step_caches_and_logs(model_dir, monkeypatc
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "forward", counted)
+    sampled = []
+    real_sample = thread_setup.rejection_sample
+
+    def sample(logits, rows, *args):
+        sampled.append(logits.shape[0] == len(rows) == 1 and rows[0].draft_token_ids == [])
+        return real_sample(logits, rows, *args)
+
+    monkeypatch.setattr(thread_setup, "rejection_sample", sample)
     choice = thread_setup.choose_threads(engine.config, engine.runner, clock=CountingClock())
     assert choice.how == f"chosen by measurement ({len(SETUPS)} of {len(SETUPS)} candidates in " \
                          f"{choice.how.split(' in ')[1]}"
     assert set(steps) == set(SETUPS)  # each one ran the probe
+    assert len(sampled) == sum(steps.values()) and all(sampled)  # every step sampled its row
     assert not engine.runner.kv_cache.any()
     with caplog.at_level(logging.INFO, logger="specserve.engine.llm_engine"):
         again = LLMEngine(config)

@@ -4,6 +4,15 @@ each candidate (kernels/thread_choice.py: quiet and beside a waking thread, the 
 loop's stand-in; within a few seconds; cached per machine and model shape beside the kernel
 table, so a later start applies it untimed).
 
+The probe is a decode step as the engine runs it: the forward, then the engine's own sampler
+over the logits row (``rejection_sample`` on the ``torch.cat`` the speculator hands it). A
+probe that picked the token with one ``argmax`` timed torch's ops on the team as fast as on
+one thread (2-core Zen 3: 10.4-11.3 ms both), while the engine's steps ran 1.4x slower with
+them on the team (16.8-20.0 ms against 10.5-12.9; plain decoding 60 against 86 tok/s): the
+sampler's torch ops wake torch's OpenMP workers, which then spin beside the kernels' pool
+through the next forward. With the sampler in the probe it measures that too (17-19 ms
+against 11.6-13).
+
 Not measured, and why:
 
 - the user fixed them (``SPECSERVE_THREAD_POLICY``, or ``--num-threads 1``: the resolver
@@ -34,15 +43,19 @@ from collections.abc import Callable
 import torch
 
 from specserve.core.paths import cache_root
+from specserve.core.sampling import SampleRequest
+from specserve.core.sampling_params import SamplingParams
 from specserve.engine.resolve import ResolvedConfig
 from specserve.kernels import quant_ext, thread_choice, thread_policy
 from specserve.kernels.metadata import AttentionMetadata, token_positions
 from specserve.kernels.thread_choice import ThreadChoice, ThreadSetup
 from specserve.kernels.tuner import model_groups, projection_params, shapes_key
+from specserve.spec.rejection_sampler import SpecDecodeRow, rejection_sample
 from specserve.target.model_runner import ModelRunner
 
 MIN_MEASURED_PARAMS = 16_000_000  # projection weights; the module docstring says why
 PROBE_CONTEXT = 128  # tokens of context the probe's decode row attends to
+PROBE = "decode forward + sampler"  # in the cache key: a choice timed by another probe is redone
 
 
 def choose_threads(config: ResolvedConfig, runner: ModelRunner, *,
@@ -96,16 +109,16 @@ def _shape_key(config: ResolvedConfig, runner: ModelRunner, groups: dict) -> str
         shapes_key(groups), f"heads {mc.num_heads}/{mc.num_kv_heads}x{mc.head_dim}",
         f"vocab {mc.vocab_size}", config.attention_backend,
         str(getattr(runner.attn_backend, "form", "-")), str(config.kv_cache_dtype),
-        f"block {runner.block_size}",
+        f"block {runner.block_size}", PROBE,
     ])
 
 
 def decode_probe(runner: ModelRunner) -> tuple[Callable[[], object], Callable[[], None]]:
     """(step, reset): ``step`` is one decode row of a sequence of ``PROBE_CONTEXT`` tokens
-    through ``runner`` and the greedy pick over its logits (a torch op over the vocabulary, as
-    the engine's sampler runs); it writes one token's KV into the first blocks of the pool,
-    which no request holds yet. ``reset`` zeroes them again (the pool starts zeroed:
-    ModelRunner's invariant)."""
+    through ``runner``, then a greedy token from it through the engine's sampler, as the
+    speculator runs it for a plain decode row (module docstring: why not a bare argmax); it
+    writes one token's KV into the first blocks of the pool, which no request holds yet.
+    ``reset`` zeroes them again (the pool starts zeroed: ModelRunner's invariant)."""
     bs = runner.block_size
     context = max(1, min(PROBE_CONTEXT, runner.num_blocks * bs))
     blocks = list(range(math.ceil(context / bs)))
@@ -113,10 +126,11 @@ def decode_probe(runner: ModelRunner) -> tuple[Callable[[], object], Callable[[]
     ids = torch.zeros(1, dtype=torch.int64)  # [1]
     positions = token_positions([1], [context])  # [1]
     rows = torch.zeros(1, dtype=torch.int64)  # [1]: the one logits row
+    greedy = [SpecDecodeRow(SampleRequest(SamplingParams(temperature=0.0), 1, None, []), [])]
 
-    def step() -> torch.Tensor:
+    def step() -> list[list[int]]:
         logits, _ = runner.forward(ids, positions, meta, rows)  # [1, vocab]
-        return logits.argmax(-1)
+        return rejection_sample(torch.cat([logits[0:1]]), greedy, None).token_ids
 
     def reset() -> None:
         runner.kv_cache[:, :, : len(blocks)].zero_()  # [L, 2, blocks, block_size, KVH, D]
