@@ -93,9 +93,9 @@ def _overpriced_table(n: int) -> float:
 
 def test_policy_measures_a_step_size_the_kernel_table_overprices():
     """Real steps: 2 rows 1.04x one, 5 rows 1.69x (the engine's own on that file). Drafts
-    accepted at 0.5 pay there (1.5 tokens for 1.04x a step), but not at the table's prices, so a policy that only trusted
-    the table would keep k = 0 and never see otherwise; it tries the sizes it has not measured
-    and, once they are, drafts on every step."""
+    accepted at 0.5 pay there (1.5 tokens for 1.04x a step), but not at the table's prices,
+    so a policy that only trusted the table would keep k = 0 and never see otherwise; it tries
+    the sizes it has not measured and, once they are, drafts on every step."""
     real = {1: 0.0208, 2: 0.0217, 3: 0.0257, 4: 0.0260, 5: 0.0352}
     policy = SpeculationPolicy(projection_seconds=_overpriced_table)
     for _ in range(3):

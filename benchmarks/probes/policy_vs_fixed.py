@@ -8,10 +8,11 @@ Three prompts (a rewrite whose answer repeats itself, a code prompt, a chat ques
 (no chat template), greedy, EOS ignored. For each: plain decoding, the method under the
 adaptive policy, and the method at each fixed k (``--no-adaptive-speculation``, a fresh engine
 of the same model in the same process), each run its own tenant (suffix decoding drafts from
-a tenant's earlier answers only: a run must not draft the previous run's answer). Reports tokens per second, drafted and accepted
-tokens, and the engine's own step table (median seconds of the target forwards by tokens fed,
-``T(n)``) from the fixed runs, which feed every n from 1 to k + 1. Every speculative answer
-must equal plain decoding's (exit code 1 otherwise).
+a tenant's earlier answers only: a run must not draft the previous run's answer). Reports
+tokens per second, drafted and accepted tokens, and the engine's own step table (median
+seconds of the target forwards by tokens fed, ``T(n)``) from the fixed runs, which feed
+every n from 1 to k + 1. Every speculative answer must equal plain decoding's (exit code 1
+otherwise).
 """
 
 from __future__ import annotations

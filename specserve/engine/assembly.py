@@ -33,7 +33,6 @@ from specserve.target.model import CausalLM
 from specserve.target.model_runner import ModelRunner
 from specserve.target.quantize import quantize_model
 
-
 # Seconds from an engine's start to the end of its kernel tuning (kernels/tuner.py, "Deadline"):
 # the imports before it, the thread choice (<= 4 s) and the server's warm-up after it fit in what
 # is left of the minute a first start may take.
