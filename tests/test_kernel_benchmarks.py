@@ -1,8 +1,10 @@
 """The kernel probes (benchmarks/probes/ kernel_forms.py, attention_cost.py, cpu_roofline.py):
-flag errors are one line, and cpu_roofline's peak loops run what they claim to."""
+flag errors are one line, attention_cost times a baseline build, and cpu_roofline's peak loops
+run what they claim to."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +42,24 @@ def test_kernel_benchmarks_reject_bad_flags_with_one_line(script, args, message,
                           capture_output=True, text=True, timeout=1800, cwd=root)  # a hang
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.e2e
+def test_attention_cost_times_a_baseline_build(extension_built):
+    """--baseline-key runs a cached build's attention beside this one's, with the same form
+    argument: here the current build against itself (its cache entry exists once loaded)."""
+    from specserve.kernels import quant_ext
+
+    root = Path(__file__).resolve().parent.parent
+    args = ["--baseline-key", quant_ext.build_key(), "--contexts", "40", "--rows", "1,3",
+            "--repeats", "1", "--num-threads", "1", "--no-write"]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "probes" /
+                                               "attention_cost.py"), *args],
+                          capture_output=True, text=True, timeout=1800, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert "| context | 1 rows ms baseline -> this (speedup) |" in proc.stdout, proc.stdout
+    cell = r"\d+\.\d\d -> \d+\.\d\d \(\d+\.\d\dx\)"
+    assert re.search(rf"^\| 40 \| {cell} \| {cell} \|$", proc.stdout, re.M), proc.stdout
 
 
 def test_peak_loops_run_every_chain_on_every_thread():

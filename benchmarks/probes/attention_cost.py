@@ -53,6 +53,16 @@ def cached_extension(key: str):
     return load_extension(f"specserve_qgemm_{key}", [], built.parent, [])
 
 
+def _baseline_call(base, form: int):
+    """An earlier build's paged_attention over this build's arguments: builds with attention
+    forms take the form last (this run's form, so both sides run the same arithmetic); older
+    ones, 8 arguments, chose theirs by the CPU."""
+    signature = (base.paged_attention.__doc__ or "").split("\n", 1)[0]
+    if signature.count("arg") <= 8:
+        return base.paged_attention
+    return lambda *a: base.paged_attention(*a, form)
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -166,8 +176,8 @@ def main() -> int:
         ext.paged_attention(*a, form)
 
     runs = {"this": this}
-    if base is not None:  # an earlier build: one form, chosen by the CPU, no form argument
-        runs["baseline"] = base.paged_attention
+    if base is not None:
+        runs["baseline"] = _baseline_call(base, form)
     if base is None:
         headers = ["context", *[f"{r} rows ms" for r in rows_list]]
         if 1 in rows_list:
